@@ -1,0 +1,20 @@
+"""dsv4_jax: the KV cache of DeepSeek-V4 hybrid attention for JAX.
+
+State is a pytree of device buffers (`CacheState`); ops are functional and
+update the buffers in place under `jax.jit(..., donate_argnames=...)`.
+"""
+from . import _ffi  # registers the FFI targets of the compiled modules
+from .config import CacheConfig
+from .errors import CacheInputError, ErrorKind, check_errors
+from .manager import CacheFullError, CacheManager
+from .memory import memory_report
+from .meta import StepMeta
+from .ops.apply_step import apply_step
+from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
+
+__all__ = [
+    "CacheConfig", "CacheState", "KVEntries", "IndexerKeys", "WindowState", "CSAState",
+    "HCAState", "init_state", "StepMeta", "CacheManager", "CacheFullError", "CacheInputError",
+    "ErrorKind", "check_errors", "memory_report", "apply_step",
+]
+__version__ = "0.1.0"

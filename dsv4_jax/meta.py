@@ -1,0 +1,100 @@
+"""Step metadata: every int32 a step needs, packed in one array.
+
+`CacheManager.prepare_step` builds it on the host; it reaches the device as one
+transfer. Fields are static slices of `data`, so a jitted step that takes a
+`StepMeta` recompiles only when a padded size changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepMeta:
+    """Packed int32 step metadata (DESIGN §6). Sizes are static.
+
+    token_slot  i32[T]      request slot of each token, -1 = padding (ignored)
+    token_pos   i32[T]      absolute position of each token in its request
+    lengths     i32[R]      tokens of each slot after this step (0 = free)
+    new_blocks  i32[NB, 3]  (slot, logical block, physical block), -1 rows = padding
+    reset_slots i32[NR]     slots of newly admitted requests, -1 = padding
+    """
+    data: jax.Array
+    num_tokens: int = dataclasses.field(metadata=dict(static=True))
+    num_requests: int = dataclasses.field(metadata=dict(static=True))
+    num_new_blocks: int = dataclasses.field(metadata=dict(static=True))
+    num_resets: int = dataclasses.field(metadata=dict(static=True))
+
+    # offsets of each field in `data`
+    def _span(self, field: str) -> tuple[int, int]:
+        sizes = [("token_slot", self.num_tokens), ("token_pos", self.num_tokens),
+                 ("lengths", self.num_requests), ("new_blocks", 3 * self.num_new_blocks),
+                 ("reset_slots", self.num_resets)]
+        start = 0
+        for name, n in sizes:
+            if name == field:
+                return start, n
+            start += n
+        raise KeyError(field)
+
+    def _get(self, field):
+        start, n = self._span(field)
+        return self.data[start:start + n]
+
+    @property
+    def token_slot(self):
+        return self._get("token_slot")
+
+    @property
+    def token_pos(self):
+        return self._get("token_pos")
+
+    @property
+    def lengths(self):
+        return self._get("lengths")
+
+    @property
+    def new_blocks(self):
+        return self._get("new_blocks").reshape(self.num_new_blocks, 3)
+
+    @property
+    def reset_slots(self):
+        return self._get("reset_slots")
+
+    @classmethod
+    def build(cls, *, token_slot, token_pos, lengths, new_blocks=None, reset_slots=None,
+              device_put: bool = True) -> "StepMeta":
+        """Pack host arrays. `new_blocks` may be shaped [NB, 3] or empty; missing
+        fields are empty. With `device_put`, the packed array goes to the
+        default device in one transfer; else it stays a numpy array."""
+        token_slot = np.asarray(token_slot, np.int32).reshape(-1)
+        token_pos = np.asarray(token_pos, np.int32).reshape(-1)
+        if token_slot.shape != token_pos.shape:
+            raise ValueError(f"token_pos: expected shape {token_slot.shape} (as token_slot), "
+                             f"got {token_pos.shape}")
+        lengths = np.asarray(lengths, np.int32).reshape(-1)
+        new_blocks = np.zeros((0, 3), np.int32) if new_blocks is None else \
+            np.asarray(new_blocks, np.int32).reshape(-1, 3)
+        reset_slots = np.zeros((0,), np.int32) if reset_slots is None else \
+            np.asarray(reset_slots, np.int32).reshape(-1)
+        data = np.concatenate([token_slot, token_pos, lengths, new_blocks.reshape(-1),
+                               reset_slots])
+        if device_put:
+            data = jax.device_put(data)
+        return cls(data, len(token_slot), len(lengths), len(new_blocks), len(reset_slots))
+
+    def check(self, config) -> None:
+        """Trace-time checks against a config (ValueError naming the field)."""
+        expect = self.num_tokens * 2 + self.num_requests + 3 * self.num_new_blocks + self.num_resets
+        if tuple(self.data.shape) != (expect,):
+            raise ValueError(f"meta.data: expected shape ({expect},), got {tuple(self.data.shape)}")
+        if self.data.dtype != jnp.int32:
+            raise ValueError(f"meta.data: expected dtype int32, got {self.data.dtype}")
+        if self.num_requests != config.max_requests:
+            raise ValueError(f"meta.lengths: expected {config.max_requests} entries "
+                             f"(max_requests), got {self.num_requests}")

@@ -1,0 +1,79 @@
+"""Shared plumbing of the ops: choosing an implementation, calling an FFI
+target in place, and trace-time argument checks."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _ffi
+
+IMPLS = ("auto", "reference", "cpu", "cuda")
+
+
+def _platform_of(arrays) -> str:
+    """Platform of the first concrete array, else the default backend (under jit
+    arrays are tracers and the computation runs on the default backend)."""
+    for a in arrays:
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+            try:
+                return next(iter(a.devices())).platform
+            except Exception:
+                break
+    return jax.default_backend()
+
+
+def resolve_impl(impl: str, target: str, arrays: Sequence = ()) -> str:
+    """"reference", "cpu" or "cuda". "auto" picks the FFI target of the
+    arrays' platform when it was built, else the jnp reference."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        platform = {"gpu": "cuda"}.get(_platform_of(arrays), _platform_of(arrays))
+        return platform if _ffi.has_target(platform, target) else "reference"
+    if impl != "reference" and not _ffi.has_target(impl, target):
+        raise ValueError(f"impl: FFI target {target!r} is not built for {impl!r} "
+                         f"({_ffi.module_status().get(impl, 'module not found')})")
+    return impl
+
+
+def ffi_in_place(target: str, inputs: Sequence, aliased: Sequence, **attrs) -> list:
+    """Call FFI `target` on `inputs` (read only) followed by `aliased` (updated
+    in place), returning the new values of `aliased`. Buffers keep their native
+    shapes: a reshape around the call would force a copy."""
+    n = len(inputs)
+    out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased]
+    call = jax.ffi.ffi_call(target, out_types,
+                            input_output_aliases={n + i: i for i in range(len(aliased))})
+    return list(call(*inputs, *aliased, **{k: np.int64(v) for k, v in attrs.items()}))
+
+
+def check_array(name: str, x, shape: tuple, dtypes) -> None:
+    """ValueError naming `name` unless x has `shape` (None = any size along an
+    axis) and one of `dtypes`."""
+    dtypes = tuple(np.dtype(d) for d in (dtypes if isinstance(dtypes, (tuple, list)) else (dtypes,)))
+    got_shape = tuple(getattr(x, "shape", ()))
+    ok = len(got_shape) == len(shape) and all(e is None or e == g for e, g in zip(shape, got_shape))
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(got_shape)}")
+    if np.dtype(getattr(x, "dtype", None)) not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, "
+                         f"got {getattr(x, 'dtype', type(x).__name__)}")
+
+
+def check_state(state) -> None:
+    """Trace-time check that `state` matches the layout its config implies."""
+    from ..state import CacheState, state_shapes
+    if not isinstance(state, CacheState):
+        raise ValueError(f"state: expected a CacheState, got {type(state).__name__}")
+    expected = state_shapes(state.config)
+    got_leaves = jax.tree_util.tree_leaves_with_path(state)
+    want_leaves = jax.tree_util.tree_leaves(expected)
+    if len(got_leaves) != len(want_leaves):
+        raise ValueError(f"state: expected {len(want_leaves)} arrays for kv_format "
+                         f"{state.config.kv_format!r}, got {len(got_leaves)}")
+    for (path, got), want in zip(got_leaves, want_leaves):
+        check_array("state" + jax.tree_util.keystr(path), got, want.shape, want.dtype)

@@ -1,0 +1,44 @@
+"""apply_step: the first op of every step (DESIGN §6).
+
+Resets the slots of newly admitted requests (block-table row, window
+positions, compressor accumulators) and writes the step's new block-table
+entries; every block handed out is scrubbed so its new owner can never read
+what the previous owner wrote (DESIGN §7).
+"""
+from __future__ import annotations
+
+from .. import reference
+from ..meta import StepMeta
+from ..state import CacheState
+from ._dispatch import check_state, ffi_in_place, resolve_impl
+
+TARGET = "dsv4_apply_step"
+
+
+def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> CacheState:
+    """Start a step: resets, then new blocks (later rows win), in place.
+
+    Bad rows (slot outside [0, R), logical/physical block out of range) are
+    dropped and counted in `state.errors`; -1 rows are padding."""
+    check_state(state)
+    if not isinstance(meta, StepMeta):
+        raise ValueError(f"meta: expected a StepMeta, got {type(meta).__name__}")
+    meta.check(state.config)
+    new_blocks, reset_slots = meta.new_blocks, meta.reset_slots
+    impl = resolve_impl(impl, TARGET, [state.block_table])
+    if impl == "reference":
+        return reference.apply_step(state, new_blocks, reset_slots)
+
+    pools = reference.apply_step_pools(state)
+    fixed = [state.block_table, state.swa.pos, state.csa.comp, state.csa.icomp,
+             state.hca.comp, state.errors]
+    out = ffi_in_place(TARGET, [new_blocks, reset_slots], fixed + pools,
+                       num_blocks=state.config.num_blocks)
+    block_table, pos, comp, icomp, hca_comp, errors = out[:6]
+    new = reference.apply_step_with_pools(state, out[6:])
+    return CacheState(
+        block_table=block_table,
+        swa=new.swa.__class__(new.swa.kv, pos),
+        csa=new.csa.__class__(new.csa.kv, new.csa.index, comp, icomp),
+        hca=new.hca.__class__(new.hca.kv, hca_comp),
+        errors=errors, config=state.config)

@@ -1,0 +1,76 @@
+"""jnp reference of apply_step (semantics in ffi/apply_step.h)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..errors import ErrorKind
+from ..state import CacheState, E8M0, empty_accumulator
+
+
+def scrub_value(dtype):
+    """Value a recycled block is reset to: 0, or 1.0 for e8m0 scales."""
+    return jnp.ones((), dtype) if dtype == E8M0 else jnp.zeros((), dtype)
+
+
+def pools_to_scrub(state: CacheState) -> list:
+    """Every paged pool leaf (dims [layers, N, ...]) in a fixed order."""
+    return jax.tree_util.tree_leaves((state.csa.kv, state.csa.index, state.hca.kv))
+
+
+def with_pools(state: CacheState, pools: list) -> CacheState:
+    treedef = jax.tree_util.tree_structure((state.csa.kv, state.csa.index, state.hca.kv))
+    csa_kv, csa_index, hca_kv = jax.tree_util.tree_unflatten(treedef, pools)
+    return state.__class__(
+        block_table=state.block_table,
+        swa=state.swa,
+        csa=state.csa.__class__(csa_kv, csa_index, state.csa.comp, state.csa.icomp),
+        hca=state.hca.__class__(hca_kv, state.hca.comp),
+        errors=state.errors, config=state.config)
+
+
+def apply_step(state: CacheState, new_blocks: jax.Array, reset_slots: jax.Array) -> CacheState:
+    cfg = state.config
+    R, MB, N = cfg.max_requests, cfg.max_blocks_per_request, cfg.num_blocks
+    errors = state.errors
+
+    # 1. resets of newly admitted slots
+    reset_ok = (reset_slots >= 0) & (reset_slots < R)
+    errors = errors.at[ErrorKind.BAD_SLOT].add(
+        jnp.sum((reset_slots != -1) & ~reset_ok, dtype=jnp.int32))
+    rs = jnp.where(reset_ok, reset_slots, R)        # R = dropped by mode="drop"
+    block_table = state.block_table.at[rs].set(-1, mode="drop")
+    pos = state.swa.pos.at[:, rs].set(-1, mode="drop")
+
+    def reset(comp):
+        return comp.at[:, rs].set(empty_accumulator(comp.shape[2:], comp.dtype), mode="drop")
+
+    csa_comp, csa_icomp, hca_comp = reset(state.csa.comp), reset(state.csa.icomp), reset(state.hca.comp)
+
+    # 2. new blocks, in row order (a later row for the same cell wins)
+    s, logical, physical = new_blocks[:, 0], new_blocks[:, 1], new_blocks[:, 2]
+    slot_ok = (s >= 0) & (s < R)
+    assign_ok = (logical >= 0) & (logical < MB) & (physical >= 0) & (physical < N)
+    valid = slot_ok & assign_ok
+    errors = errors.at[ErrorKind.BAD_SLOT].add(jnp.sum((s != -1) & ~slot_ok, dtype=jnp.int32))
+    errors = errors.at[ErrorKind.BAD_BLOCK_ASSIGNMENT].add(
+        jnp.sum(slot_ok & ~assign_ok, dtype=jnp.int32))
+    nb = new_blocks.shape[0]
+    later = jnp.arange(nb)[None, :] > jnp.arange(nb)[:, None]
+    superseded = jnp.any(later & valid[None, :] & (s[:, None] == s[None, :])
+                         & (logical[:, None] == logical[None, :]), axis=1)
+    write = valid & ~superseded
+    block_table = block_table.at[jnp.where(write, s, R), logical].set(physical, mode="drop")
+
+    # 3. scrub every block handed out, in every pool
+    scrub_at = jnp.where(valid, physical, N)
+    pools = [p.at[:, scrub_at].set(scrub_value(p.dtype), mode="drop")
+             for p in pools_to_scrub(state)]
+
+    out = with_pools(state, pools)
+    return CacheState(
+        block_table=block_table,
+        swa=out.swa.__class__(out.swa.kv, pos),
+        csa=out.csa.__class__(out.csa.kv, out.csa.index, csa_comp, csa_icomp),
+        hca=out.hca.__class__(out.hca.kv, hca_comp),
+        errors=errors, config=cfg)

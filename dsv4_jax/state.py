@@ -1,0 +1,166 @@
+"""The cache state: pytrees of device arrays, laid out as in DESIGN §5.
+
+Arrays are data fields; the `CacheConfig` is a static field. Pools are stacked
+per layer kind (leading axis = index of the layer among layers of its kind) so
+one buffer serves every layer of that kind.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import config as C
+from .config import CacheConfig
+from .errors import NUM_ERROR_KINDS
+
+FP8 = jnp.float8_e4m3fn
+E8M0 = jnp.float8_e8m0fnu
+
+
+def _dataclass(cls=None, *, static=()):
+    """Frozen dataclass registered as a pytree; `static` names meta fields."""
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        return jax.tree_util.register_dataclass(
+            cls, data_fields=[n for n in names if n not in static],
+            meta_fields=[n for n in names if n in static])
+    return wrap if cls is None else wrap(cls)
+
+
+@_dataclass
+class KVEntries:
+    """Entries of width 512 in one of the three KV formats (DESIGN §4).
+
+    ds_fp8:    nope f8e4m3[..., 448], rope bf16[..., 64], scale e8m0[..., 7]
+    fp8_token: nope f8e4m3[..., 448], rope bf16[..., 64], scale f32[..., 1]
+    bf16:      nope bf16[..., 448],   rope bf16[..., 64], scale None
+    """
+    nope: jax.Array
+    rope: jax.Array
+    scale: Optional[jax.Array]
+
+
+@_dataclass
+class IndexerKeys:
+    """MXFP4 indexer keys: 128 e2m1 codes packed two per byte + 4 UE8M0 scales."""
+    packed: jax.Array   # u8[..., 64]
+    scale: jax.Array    # e8m0[..., 4]
+
+
+@_dataclass
+class WindowState:
+    kv: KVEntries       # [L_all, R, 128, ...]
+    pos: jax.Array      # i32[L_all, R, 128], -1 = empty
+
+
+@_dataclass
+class CSAState:
+    kv: KVEntries       # [L_csa, N, 32, ...]
+    index: IndexerKeys  # [L_csa, N, 32, ...]
+    comp: jax.Array     # f32[L_csa, R, 2, 3, 512]: (current, next) x (max, sum, weighted kv)
+    icomp: jax.Array    # f32[L_csa, R, 2, 3, 128]: the same for the indexer compressor
+
+
+@_dataclass
+class HCAState:
+    kv: KVEntries       # [L_hca, N, 1, ...]
+    comp: jax.Array     # f32[L_hca, R, 1, 3, 512]
+
+
+@_dataclass(static=("config",))
+class CacheState:
+    block_table: jax.Array   # i32[R, MB], physical block per 128-token block, -1 = none
+    swa: WindowState
+    csa: CSAState
+    hca: HCAState
+    errors: jax.Array        # i32[NUM_ERROR_KINDS]
+    config: CacheConfig
+
+
+# Accumulator rows along the axis of length 3.
+ACC_MAX, ACC_SUM, ACC_KV = 0, 1, 2
+
+
+def kv_entry_shapes(kv_format: str, lead: tuple[int, ...]) -> KVEntries:
+    """`jax.ShapeDtypeStruct`s of `KVEntries` with leading dims `lead`."""
+    S = jax.ShapeDtypeStruct
+    if kv_format == "ds_fp8":
+        return KVEntries(S(lead + (C.NOPE_DIM,), FP8), S(lead + (C.ROPE_DIM,), jnp.bfloat16),
+                         S(lead + (C.NOPE_TILES,), E8M0))
+    if kv_format == "fp8_token":
+        return KVEntries(S(lead + (C.NOPE_DIM,), FP8), S(lead + (C.ROPE_DIM,), jnp.bfloat16),
+                         S(lead + (1,), jnp.float32))
+    if kv_format == "bf16":
+        return KVEntries(S(lead + (C.NOPE_DIM,), jnp.bfloat16),
+                         S(lead + (C.ROPE_DIM,), jnp.bfloat16), None)
+    raise ValueError(f"kv_format: expected one of {C.KV_FORMATS}, got {kv_format!r}")
+
+
+def index_key_shapes(lead: tuple[int, ...]) -> IndexerKeys:
+    S = jax.ShapeDtypeStruct
+    return IndexerKeys(S(lead + (C.INDEX_PACKED,), jnp.uint8), S(lead + (C.INDEX_SCALES,), E8M0))
+
+
+def state_shapes(config: CacheConfig) -> CacheState:
+    """The state as a pytree of `jax.ShapeDtypeStruct` (no allocation)."""
+    S = jax.ShapeDtypeStruct
+    R, N, MB = config.max_requests, config.num_blocks, config.max_blocks_per_request
+    L, Lc, Lh = config.num_layers, config.num_csa, config.num_hca
+    f32, i32 = jnp.float32, jnp.int32
+    per_block_csa = CacheConfig.entries_per_block(C.CSA)
+    per_block_hca = CacheConfig.entries_per_block(C.HCA)
+    return CacheState(
+        block_table=S((R, MB), i32),
+        swa=WindowState(kv_entry_shapes(config.kv_format, (L, R, C.WINDOW)),
+                        S((L, R, C.WINDOW), i32)),
+        csa=CSAState(kv_entry_shapes(config.kv_format, (Lc, N, per_block_csa)),
+                     index_key_shapes((Lc, N, per_block_csa)),
+                     S((Lc, R, 2, 3, C.HEAD_DIM), f32),
+                     S((Lc, R, 2, 3, C.INDEX_DIM), f32)),
+        hca=HCAState(kv_entry_shapes(config.kv_format, (Lh, N, per_block_hca)),
+                     S((Lh, R, 1, 3, C.HEAD_DIM), f32)),
+        errors=S((NUM_ERROR_KINDS,), i32),
+        config=config)
+
+
+def empty_accumulator(shape, dtype=jnp.float32) -> jax.Array:
+    """Online-softmax accumulators set to empty: (max, sum, kv) = (-inf, 0, 0).
+    `shape` ends in (..., 3, width)."""
+    row = jnp.array([-jnp.inf, 0.0, 0.0], dtype).reshape(3, 1)
+    return jnp.broadcast_to(row, shape).astype(dtype)
+
+
+def init_state(config: CacheConfig, sharding=None) -> CacheState:
+    """A fresh cache: block table and window positions -1, accumulators empty,
+    pools zero (scales 1.0, byte 0x7F: the same "blank entry" `apply_step`
+    scrubs recycled blocks to). `sharding`, if given, is a pytree of shardings matching the
+    state (see `dsv4_jax.sharding`) and every leaf is created already placed."""
+    shapes = state_shapes(config)
+
+    def make(path, sds):
+        name = jax.tree_util.keystr(path)
+        if name.endswith(("block_table", ".pos")):
+            return jnp.full(sds.shape, -1, sds.dtype)
+        if name.endswith(("comp", "icomp")):
+            return empty_accumulator(sds.shape, sds.dtype)
+        if sds.dtype == E8M0:   # e8m0 has no zero (0.0 casts to NaN = 0xFF): use 1.0
+            return jnp.ones(sds.shape, sds.dtype)
+        return jnp.zeros(sds.shape, sds.dtype)
+
+    def build():
+        return jax.tree_util.tree_map_with_path(make, shapes)
+
+    if sharding is None:
+        return jax.jit(build)()
+    return jax.jit(build, out_shardings=sharding)()
+
+
+def tree_bytes(tree) -> int:
+    """Total bytes of the array (or ShapeDtypeStruct) leaves of a pytree."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree))

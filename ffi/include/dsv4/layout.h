@@ -1,0 +1,42 @@
+// Geometry and storage constants of the DSV4 cache (DESIGN §2, §4, §5).
+// Mirrors dsv4_jax/config.py and dsv4_jax/errors.py; tests compare the two.
+#pragma once
+
+#include <cstdint>
+
+namespace dsv4 {
+
+constexpr int kHeadDim = 512;      // entry width d
+constexpr int kRopeDim = 64;       // trailing RoPE channels
+constexpr int kNopeDim = 448;      // channels stored as fp8
+constexpr int kNopeTile = 64;      // ds_fp8: one UE8M0 scale per tile
+constexpr int kNopeTiles = 7;
+constexpr int kWindow = 128;       // sliding window
+constexpr int kCsaRatio = 4;
+constexpr int kHcaRatio = 128;
+constexpr int kBlockTokens = 128;  // tokens per paged block
+constexpr int kIndexDim = 128;
+constexpr int kIndexPacked = 64;   // bytes of packed e2m1 codes per key
+constexpr int kIndexScales = 4;
+
+// Online-softmax accumulator rows (axis of length 3 in comp/icomp).
+constexpr int kAccMax = 0, kAccSum = 1, kAccKv = 2;
+
+// A blank (scrubbed or never written) entry: zero codes and scale byte 0x7F
+// (1.0 in e8m0; 0x00 would be 2^-127 and 0xFF is NaN).
+constexpr uint8_t kBlankScaleE8m0 = 0x7F;
+
+// Counters of dropped bad input, the index into state.errors.
+enum ErrorKind : int {
+  kBadSlot = 0,
+  kBadPosition = 1,
+  kMissingBlock = 2,
+  kBadIndex = 3,
+  kBadLength = 4,
+  kNonfinite = 5,
+  kBadLayer = 6,
+  kBadBlockAssignment = 7,
+  kNumErrorKinds = 8,
+};
+
+}  // namespace dsv4
