@@ -9,12 +9,17 @@ from .errors import CacheInputError, ErrorKind, check_errors
 from .manager import CacheFullError, CacheManager
 from .memory import memory_report
 from .meta import StepMeta
+from .ops.append import append
 from .ops.apply_step import apply_step
+from .ops.flush import flush
+from .ops.gather import gather_all, gather_topk, gather_window
+from .params import CompressorParams, yarn_inv_freq
 from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
 
 __all__ = [
     "CacheConfig", "CacheState", "KVEntries", "IndexerKeys", "WindowState", "CSAState",
     "HCAState", "init_state", "StepMeta", "CacheManager", "CacheFullError", "CacheInputError",
-    "ErrorKind", "check_errors", "memory_report", "apply_step",
+    "ErrorKind", "check_errors", "memory_report", "CompressorParams", "yarn_inv_freq",
+    "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
 ]
 __version__ = "0.1.0"

@@ -178,3 +178,7 @@ def blocks_for_tokens(tokens: int) -> int:
 
 def ratio_of(kind: str) -> int:
     return {CSA: CSA_RATIO, HCA: HCA_RATIO}[kind]
+
+
+# Attribute value of kv_format passed to the FFI handlers (ffi/include/dsv4/layout.h).
+KV_FORMAT_CODE = {"ds_fp8": 0, "fp8_token": 1, "bf16": 2}

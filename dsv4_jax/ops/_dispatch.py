@@ -39,15 +39,21 @@ def resolve_impl(impl: str, target: str, arrays: Sequence = ()) -> str:
     return impl
 
 
+def ffi_call(target: str, args: Sequence, out_types: Sequence, aliases: dict, **attrs) -> list:
+    """Call FFI `target`; `aliases` maps an argument index to the result it is
+    updated into in place. Integer attributes are passed as int64."""
+    call = jax.ffi.ffi_call(target, list(out_types), input_output_aliases=aliases)
+    return list(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
+
+
 def ffi_in_place(target: str, inputs: Sequence, aliased: Sequence, **attrs) -> list:
     """Call FFI `target` on `inputs` (read only) followed by `aliased` (updated
     in place), returning the new values of `aliased`. Buffers keep their native
     shapes: a reshape around the call would force a copy."""
     n = len(inputs)
     out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased]
-    call = jax.ffi.ffi_call(target, out_types,
-                            input_output_aliases={n + i: i for i in range(len(aliased))})
-    return list(call(*inputs, *aliased, **{k: np.int64(v) for k, v in attrs.items()}))
+    return ffi_call(target, [*inputs, *aliased], out_types,
+                    {n + i: i for i in range(len(aliased))}, **attrs)
 
 
 def check_array(name: str, x, shape: tuple, dtypes) -> None:

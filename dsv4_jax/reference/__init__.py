@@ -1,5 +1,17 @@
 """Pure-jnp implementations of every cache op: the oracle the FFI kernels are
-tested against and the portable path (any backend, under jit, donated)."""
+tested against and the portable path (any backend, under jit, donated).
+
+The public ops (dsv4_jax.ops) check arguments and call these with:
+  append(state, layer_idx, token_slot, token_pos, kv) -> state
+  flush(state, kind, kind_idx, token_slot, token_pos, kv, score, params,
+        index_kv, index_score) -> state            (kv/score already f32)
+  gather_window(state, layer_idx, slots) -> (kv, pos, errors)
+  gather_topk(state, kind_idx, token_slot, token_pos, indices) -> (kv, valid, errors)
+  gather_all(state, kind_idx, slots, lengths, max_entries) -> (kv, count, errors)
+`layer_idx` / `kind_idx` are int32 scalars, -1 for a bad traced layer
+(count BAD_LAYER once, change nothing else). Semantics and error rules are in
+the docstrings of dsv4_jax/ops/*.py.
+"""
 from .apply_step import apply_step, pools_to_scrub as apply_step_pools, with_pools as apply_step_with_pools
 
 __all__ = ["apply_step", "apply_step_pools", "apply_step_with_pools"]

@@ -1,0 +1,48 @@
+"""append: new tokens' KV into the sliding window of a layer (DESIGN §3, §6).
+
+FFI target "dsv4_append" (operands in this order):
+  attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128)
+  args   layer i32[] (global index, -1 = bad), token_slot i32[T], token_pos i32[T],
+         kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[8],
+         swa.kv.nope, swa.kv.rope[, swa.kv.scale]  (scale absent for bf16)
+  rets   the aliased buffers, same order.
+Per token: slot -1 is padding; slot outside [0, R) -> BAD_SLOT; pos < 0 or
+pos >= max_context -> BAD_POSITION; both dropped. Ring slot = pos mod 128; when
+several tokens of one call land on the same (slot, ring slot), the largest
+position wins (ties: the later row). Layer -1 -> BAD_LAYER once, nothing written.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import config as C
+from .. import reference
+from ..meta import StepMeta
+from ..state import CacheState
+from ._dispatch import check_array, check_state, ffi_in_place, resolve_impl
+from ._layer import layer_operand
+
+TARGET = "dsv4_append"
+
+
+def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
+           impl: str = "auto") -> CacheState:
+    """Write `kv: bf16[T, 512]` (normed and roped by the model) of the step's
+    tokens into the sliding window of `layer`."""
+    check_state(state)
+    cfg = state.config
+    meta.check(cfg)
+    check_array("kv", kv, (meta.num_tokens, C.HEAD_DIM), jnp.bfloat16)
+    layer_idx = layer_operand(cfg, layer, None)
+    impl = resolve_impl(impl, TARGET, [state.swa.pos])
+    if impl == "reference":
+        return reference.append(state, layer_idx, meta.token_slot, meta.token_pos, kv)
+    entries = jax.tree_util.tree_leaves(state.swa.kv)
+    pos, errors, *entries = ffi_in_place(
+        TARGET, [layer_idx, meta.token_slot, meta.token_pos, kv],
+        [state.swa.pos, state.errors, *entries],
+        kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
+    kv_entries = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.swa.kv), entries)
+    return CacheState(state.block_table, state.swa.__class__(kv_entries, pos), state.csa,
+                      state.hca, errors, cfg)

@@ -1,0 +1,124 @@
+"""flush: fold a step's compressor projections into the online-softmax
+accumulators of a CSA or HCA layer and write every entry the step closes
+(epilogue + quantization) into the paged pool (DESIGN §3-§6).
+
+FFI targets (operands in this order):
+"dsv4_flush_csa"
+  attrs  kv_format, max_context
+  args   layer i32[] (CSA index, -1 = bad), token_slot i32[T], token_pos i32[T],
+         kv f32[T, 1024], score f32[T, 1024], ape f32[4, 1024], norm f32[512],
+         inv_freq f32[32], index_kv f32[T, 256], index_score f32[T, 256],
+         index_ape f32[4, 256], index_norm f32[128], index_inv_freq f32[32],
+         block_table i32[R, MB],
+         then the aliased: csa.comp f32[Lc, R, 2, 3, 512], csa.icomp f32[Lc, R, 2, 3, 128],
+         csa.index.packed u8[Lc, N, 32, 64], csa.index.scale e8m0[Lc, N, 32, 4],
+         errors i32[8], csa.kv.nope, csa.kv.rope[, csa.kv.scale]
+  rets   the aliased buffers, same order.
+"dsv4_flush_hca"
+  attrs  kv_format, max_context
+  args   layer i32[] (HCA index), token_slot, token_pos, kv f32[T, 512],
+         score f32[T, 512], ape f32[128, 512], norm f32[512], inv_freq f32[32],
+         block_table i32[R, MB],
+         then the aliased: hca.comp f32[Lh, R, 1, 3, 512], errors i32[8],
+         hca.kv.nope, hca.kv.rope[, hca.kv.scale]
+  rets   the aliased buffers, same order.
+Per token: slot -1 padding; bad slot -> BAD_SLOT; pos < 0 or >= max_context ->
+BAD_POSITION; block_table[slot, pos // 128] outside [0, N) -> MISSING_BLOCK;
+such tokens are dropped (not folded). Each request's tokens must come in
+increasing contiguous positions across calls (what CacheManager produces).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import config as C
+from .. import reference
+from ..meta import StepMeta
+from ..params import CompressorParams
+from ..state import CacheState
+from ._dispatch import check_array, check_state, ffi_in_place, resolve_impl
+from ._layer import layer_operand
+
+TARGETS = {C.CSA: "dsv4_flush_csa", C.HCA: "dsv4_flush_hca"}
+_FLOATS = (jnp.float32, jnp.bfloat16)
+
+
+def _check_params(name, p, m, width, d):
+    if not isinstance(p, CompressorParams):
+        raise ValueError(f"{name}: expected CompressorParams, got {type(p).__name__}")
+    check_array(f"{name}.ape", p.ape, (m, width), jnp.float32)
+    check_array(f"{name}.norm", p.norm, (d,), jnp.float32)
+    check_array(f"{name}.inv_freq", p.inv_freq, (C.ROPE_DIM // 2,), jnp.float32)
+
+
+def _kind_of(cfg, layer, kv) -> str:
+    if isinstance(layer, (int,)) and not isinstance(layer, bool):
+        return cfg.layer_kinds[layer] if 0 <= layer < cfg.num_layers else "?"
+    # traced layer: the width of the projections says which kind is meant
+    return {2 * C.HEAD_DIM: C.CSA, C.HEAD_DIM: C.HCA}.get(kv.shape[-1], "?")
+
+
+def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Array,
+          params: CompressorParams, *, index_kv: jax.Array | None = None,
+          index_score: jax.Array | None = None, impl: str = "auto") -> CacheState:
+    """Compress the step's tokens of a CSA or HCA layer.
+
+    kv, score: f32 or bf16 [T, coff*512] (coff 2 for CSA, 1 for HCA).
+    CSA layers also take the indexer compressor's `index_kv`, `index_score`
+    [T, 256] and `params.index`."""
+    check_state(state)
+    cfg = state.config
+    meta.check(cfg)
+    kind = _kind_of(cfg, layer, kv)
+    if kind not in (C.CSA, C.HCA):
+        if isinstance(layer, int):
+            cfg.kind_index(layer)   # raises for an out-of-range layer
+            raise ValueError(f"layer: expected a CSA or HCA layer, got layer {layer} "
+                             f"which is {cfg.layer_kinds[layer].upper()}")
+        raise ValueError(f"kv: expected last dim {2 * C.HEAD_DIM} (CSA) or {C.HEAD_DIM} (HCA) "
+                         f"for a traced layer, got {kv.shape[-1]}")
+    coff = 2 if kind == C.CSA else 1
+    m = C.CSA_RATIO if kind == C.CSA else C.HCA_RATIO
+    T = meta.num_tokens
+    check_array("kv", kv, (T, coff * C.HEAD_DIM), _FLOATS)
+    check_array("score", score, (T, coff * C.HEAD_DIM), _FLOATS)
+    _check_params("params", params, m, coff * C.HEAD_DIM, C.HEAD_DIM)
+    kv, score = kv.astype(jnp.float32), score.astype(jnp.float32)
+    if kind == C.CSA:
+        if index_kv is None or index_score is None or params.index is None:
+            raise ValueError("index_kv: a CSA layer needs index_kv, index_score and "
+                             "params.index (the indexer compressor)")
+        check_array("index_kv", index_kv, (T, 2 * C.INDEX_DIM), _FLOATS)
+        check_array("index_score", index_score, (T, 2 * C.INDEX_DIM), _FLOATS)
+        _check_params("params.index", params.index, C.CSA_RATIO, 2 * C.INDEX_DIM, C.INDEX_DIM)
+        index_kv, index_score = index_kv.astype(jnp.float32), index_score.astype(jnp.float32)
+    elif index_kv is not None or index_score is not None:
+        raise ValueError("index_kv: HCA layers have no indexer; pass None")
+    layer_idx = layer_operand(cfg, layer, kind)
+    target = TARGETS[kind]
+    impl = resolve_impl(impl, target, [state.block_table])
+    if impl == "reference":
+        return reference.flush(state, kind, layer_idx, meta.token_slot, meta.token_pos, kv, score,
+                               params, index_kv, index_score)
+    attrs = dict(kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
+    common = [layer_idx, meta.token_slot, meta.token_pos, kv, score, params.ape, params.norm,
+              params.inv_freq]
+    if kind == C.CSA:
+        pool = state.csa
+        entries = jax.tree_util.tree_leaves(pool.kv)
+        ins = common + [index_kv, index_score, params.index.ape, params.index.norm,
+                        params.index.inv_freq, state.block_table]
+        comp, icomp, packed, iscale, errors, *entries = ffi_in_place(
+            target, ins, [pool.comp, pool.icomp, pool.index.packed, pool.index.scale,
+                          state.errors, *entries], **attrs)
+        kv_entries = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pool.kv), entries)
+        csa = pool.__class__(kv_entries, pool.index.__class__(packed, iscale), comp, icomp)
+        return CacheState(state.block_table, state.swa, csa, state.hca, errors, cfg)
+    pool = state.hca
+    entries = jax.tree_util.tree_leaves(pool.kv)
+    comp, errors, *entries = ffi_in_place(
+        target, common + [state.block_table], [pool.comp, state.errors, *entries], **attrs)
+    kv_entries = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pool.kv), entries)
+    return CacheState(state.block_table, state.swa, state.csa, pool.__class__(kv_entries, comp),
+                      errors, cfg)

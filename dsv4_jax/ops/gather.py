@@ -1,0 +1,130 @@
+"""Gathers: read cache entries back as dense BF16 for attention (DESIGN §6).
+
+Each returns its outputs; with `return_state=True` also the state, whose
+`errors` counted the bad rows the gather dropped (the pools are untouched).
+Dropped or invisible rows are zero.
+
+FFI targets (operands in this order; `errors` aliased into the last result;
+the entry leaves nope, rope[, scale] come last, scale absent for bf16):
+"dsv4_gather_window"
+  attrs  kv_format
+  args   layer i32[] (global, -1 = bad), slots i32[B], swa.pos i32[L, R, 128],
+         errors i32[8], swa.kv entries
+  rets   kv bf16[B, 128, 512], pos i32[B, 128], errors
+  Ring-slot order; slot -1 -> zero rows and pos -1 (no error); slot outside
+  [0, R) -> BAD_SLOT, same output; ring slots with pos -1 -> zero rows.
+"dsv4_gather_topk"
+  attrs  kv_format
+  args   layer i32[] (CSA index), token_slot i32[T], token_pos i32[T],
+         indices i32[T, k], block_table i32[R, MB], errors, csa.kv entries
+  rets   kv bf16[T, k, 512], valid bool[T, k], errors
+  Entry i is visible to a query at position t iff 0 <= i < (t + 1) // 4.
+  index -1 -> zero row, valid False, no error; index < -1 or not visible ->
+  BAD_INDEX; block missing -> MISSING_BLOCK; token slot -1 -> whole row
+  invalid, no error; bad slot -> BAD_SLOT; pos < 0 -> BAD_POSITION (once per token).
+"dsv4_gather_all"
+  attrs  kv_format, max_context
+  args   layer i32[] (HCA index), slots i32[B], lengths i32[B], block_table,
+         errors, hca.kv entries
+  rets   kv bf16[B, E, 512], count i32[B], errors
+  count = length // 128 entries (rows >= count are zero). slot -1 -> count 0,
+  no error; bad slot -> BAD_SLOT; length < 0, > max_context, or count > E ->
+  BAD_LENGTH, count 0; a missing block -> MISSING_BLOCK, that row zero.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import config as C
+from .. import reference
+from ..state import CacheState
+from ._dispatch import check_array, check_state, ffi_call, resolve_impl
+from ._layer import layer_operand
+
+_I32 = jnp.int32
+
+
+def _finish(state, outputs, errors, return_state):
+    if not return_state:
+        return outputs
+    return (*outputs, CacheState(state.block_table, state.swa, state.csa, state.hca, errors,
+                                 state.config))
+
+
+def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "auto",
+                  return_state: bool = False):
+    """The sliding window of `slots[B]`: kv bf16[B, 128, 512] and pos i32[B, 128]
+    in ring-slot order (pos -1 = empty, its row zero)."""
+    check_state(state)
+    cfg = state.config
+    check_array("slots", slots, (None,), _I32)
+    layer_idx = layer_operand(cfg, layer, None)
+    target = "dsv4_gather_window"
+    impl = resolve_impl(impl, target, [state.swa.pos])
+    if impl == "reference":
+        kv, pos, errors = reference.gather_window(state, layer_idx, slots)
+    else:
+        B = slots.shape[0]
+        kv, pos, errors = ffi_call(
+            target, [layer_idx, slots, state.swa.pos, state.errors,
+                     *jax.tree_util.tree_leaves(state.swa.kv)],
+            [jax.ShapeDtypeStruct((B, C.WINDOW, C.HEAD_DIM), jnp.bfloat16),
+             jax.ShapeDtypeStruct((B, C.WINDOW), _I32),
+             jax.ShapeDtypeStruct(state.errors.shape, _I32)],
+            {3: 2}, kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
+    return _finish(state, (kv, pos), errors, return_state)
+
+
+def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
+                indices: jax.Array, *, impl: str = "auto", return_state: bool = False):
+    """CSA entries `indices[T, k]` of each query token: kv bf16[T, k, 512] and
+    valid bool[T, k]. A query at position t sees entries i < (t + 1) // 4."""
+    check_state(state)
+    cfg = state.config
+    check_array("token_slot", token_slot, (None,), _I32)
+    T = token_slot.shape[0]
+    check_array("token_pos", token_pos, (T,), _I32)
+    check_array("indices", indices, (T, None), _I32)
+    layer_idx = layer_operand(cfg, layer, C.CSA)
+    target = "dsv4_gather_topk"
+    impl = resolve_impl(impl, target, [state.block_table])
+    if impl == "reference":
+        kv, valid, errors = reference.gather_topk(state, layer_idx, token_slot, token_pos, indices)
+    else:
+        k = indices.shape[1]
+        kv, valid, errors = ffi_call(
+            target, [layer_idx, token_slot, token_pos, indices, state.block_table, state.errors,
+                     *jax.tree_util.tree_leaves(state.csa.kv)],
+            [jax.ShapeDtypeStruct((T, k, C.HEAD_DIM), jnp.bfloat16),
+             jax.ShapeDtypeStruct((T, k), jnp.bool_),
+             jax.ShapeDtypeStruct(state.errors.shape, _I32)],
+            {5: 2}, kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
+    return _finish(state, (kv, valid), errors, return_state)
+
+
+def gather_all(state: CacheState, layer, slots: jax.Array, lengths: jax.Array,
+               max_entries: int, *, impl: str = "auto", return_state: bool = False):
+    """Every HCA entry of `slots[B]` with `lengths[B]` tokens: kv
+    bf16[B, max_entries, 512] and count i32[B] = lengths // 128."""
+    check_state(state)
+    cfg = state.config
+    check_array("slots", slots, (None,), _I32)
+    B = slots.shape[0]
+    check_array("lengths", lengths, (B,), _I32)
+    if not isinstance(max_entries, int) or max_entries <= 0:
+        raise ValueError(f"max_entries: expected a positive int, got {max_entries!r}")
+    layer_idx = layer_operand(cfg, layer, C.HCA)
+    target = "dsv4_gather_all"
+    impl = resolve_impl(impl, target, [state.block_table])
+    if impl == "reference":
+        kv, count, errors = reference.gather_all(state, layer_idx, slots, lengths, max_entries)
+    else:
+        kv, count, errors = ffi_call(
+            target, [layer_idx, slots, lengths, state.block_table, state.errors,
+                     *jax.tree_util.tree_leaves(state.hca.kv)],
+            [jax.ShapeDtypeStruct((B, max_entries, C.HEAD_DIM), jnp.bfloat16),
+             jax.ShapeDtypeStruct((B,), _I32),
+             jax.ShapeDtypeStruct(state.errors.shape, _I32)],
+            {4: 2}, kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
+    return _finish(state, (kv, count), errors, return_state)
