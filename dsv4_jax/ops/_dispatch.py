@@ -30,10 +30,18 @@ def resolve_impl(impl: str, target: str, arrays: Sequence = ()) -> str:
     arrays' platform when it was built, else the jnp reference."""
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if impl == "reference":
+        return impl
+    platform = _platform_of(arrays)
+    platform = {"gpu": "cuda"}.get(platform, platform)
     if impl == "auto":
-        platform = {"gpu": "cuda"}.get(_platform_of(arrays), _platform_of(arrays))
         return platform if _ffi.has_target(platform, target) else "reference"
-    if impl != "reference" and not _ffi.has_target(impl, target):
+    # One target name is registered per platform, so the platform the step
+    # runs on decides which handler runs: refuse a mismatch instead.
+    if impl != platform:
+        raise ValueError(f"impl: {impl!r} needs the computation on {impl}, "
+                         f"but it runs on {platform}")
+    if not _ffi.has_target(impl, target):
         raise ValueError(f"impl: FFI target {target!r} is not built for {impl!r} "
                          f"({_ffi.module_status().get(impl, 'module not found')})")
     return impl

@@ -1,0 +1,49 @@
+"""Assertions that a jitted step updates the state in place (DESIGN §8)."""
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+
+
+def _aliased_params(hlo: str) -> set[int]:
+    """Parameter numbers named in the module's input_output_alias header."""
+    header = hlo.split("\n", 1)[0]
+    if "input_output_alias=" not in header:
+        return set()
+    header = header.split("input_output_alias=", 1)[1].split("entry_computation_layout", 1)[0]
+    return {int(p) for _, p in re.findall(r"\{([\d,]*)\}:\s*\((\d+),", header)}
+
+
+def _copied_shapes(hlo: str) -> list[str]:
+    """Result shapes of every copy instruction in the optimized HLO."""
+    return re.findall(r"=\s*(\S+?\[[\d,]*\])\S*\s+copy\(", hlo)
+
+
+def compiled_text(step, *args):
+    return step.lower(*args).compile().as_text()
+
+
+def assert_in_place(step, state, *args, min_bytes: int = 4096):
+    """`step(state, *args)` (jitted with the state donated as argument 0)
+    aliases every state leaf of at least `min_bytes` and copies none of them;
+    after running, every such leaf keeps its buffer pointer. Returns the new
+    state."""
+    hlo = compiled_text(step, state, *args)
+    leaves = jax.tree_util.tree_leaves(state)
+    aliased = _aliased_params(hlo)
+    big = [i for i, x in enumerate(leaves) if x.nbytes >= min_bytes]
+    missing = [i for i in big if i not in aliased]
+    assert not missing, f"state leaves {missing} are not aliased in:\n{hlo[:2000]}"
+    pool_shapes = {f"{x.dtype.name if hasattr(x.dtype, 'name') else x.dtype}"
+                   f"[{','.join(map(str, x.shape))}]" for i, x in enumerate(leaves) if i in big}
+    copies = [s for s in _copied_shapes(hlo)
+              if any(s.endswith("[" + p.split("[", 1)[1]) for p in pool_shapes)]
+    assert not copies, f"pool-shaped copies in the compiled step: {copies}"
+    before = [leaves[i].unsafe_buffer_pointer() for i in big]
+    new_state = step(state, *args)
+    after_leaves = jax.tree_util.tree_leaves(new_state)
+    after = [after_leaves[i].unsafe_buffer_pointer() for i in big]
+    assert before == after, "a donated pool moved to another buffer"
+    return new_state

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the CUDA module, run the GPU tests and the
+# benchmarks, print a short table last. Logs and JSON go to $OUT (or /tmp/gpu_out).
+#   device tool:  bash tools/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+
+echo "== device"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+echo "== build (no package index there: no build isolation, no deps)"
+t0=$(date +%s)
+if ! $PY -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+echo "built in $(( $(date +%s) - t0 )) s"
+(cd /tmp && $PY -m dsv4_jax info)
+
+echo "== GPU tests"
+$PY -m pytest -q -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+test_rc=${PIPESTATUS[0]}
+
+bench_rc=0
+if [ -f benchmarks/run.py ] && [ -z "${SKIP_BENCH:-}" ]; then
+  echo "== benchmarks"
+  $PY benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+  bench_rc=${PIPESTATUS[0]}
+fi
+
+echo "== summary"
+grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -1
+echo "tests rc=$test_rc bench rc=$bench_rc"
+[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
