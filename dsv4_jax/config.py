@@ -66,6 +66,8 @@ class CacheConfig:
     kv_format: str = "ds_fp8"
     index_topk: int = 512
     model: str = "custom"
+    num_shards: int = 1
+    shard_axis: str | None = None
 
     def __post_init__(self):
         ratios = tuple(self.compress_ratios)
@@ -82,6 +84,14 @@ class CacheConfig:
         _positive("index_topk", self.index_topk)
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format: expected one of {KV_FORMATS}, got {self.kv_format!r}")
+        _positive("num_shards", self.num_shards)
+        if self.num_shards > 1:
+            if not self.shard_axis:
+                raise ValueError("shard_axis: a config with num_shards > 1 needs the mesh axis name")
+            for name in ("max_requests", "num_blocks"):
+                if getattr(self, name) % self.num_shards:
+                    raise ValueError(f"{name}: expected a multiple of num_shards "
+                                     f"({self.num_shards}), got {getattr(self, name)}")
 
     # ---- presets -------------------------------------------------------------
     @classmethod
@@ -166,6 +176,19 @@ class CacheConfig:
     def entries_per_block(kind: str) -> int:
         """Compressed entries one 128-token block holds in a layer of `kind`."""
         return {CSA: BLOCK_TOKENS // CSA_RATIO, HCA: BLOCK_TOKENS // HCA_RATIO}[kind]
+
+    @property
+    def sharded(self) -> bool:
+        return self.num_shards > 1
+
+    def local(self) -> "CacheConfig":
+        """The config one shard sees: R and N divided by the number of shards
+        (block ids and slots are shard-local)."""
+        if not self.sharded:
+            return self
+        return dataclasses.replace(self, max_requests=self.max_requests // self.num_shards,
+                                   num_blocks=self.num_blocks // self.num_shards,
+                                   num_shards=1, shard_axis=None)
 
     def replace(self, **changes) -> "CacheConfig":
         return dataclasses.replace(self, **changes)

@@ -117,19 +117,28 @@ class CacheManager:
         self._free_slots.append(req.slot)
 
     # ---- steps -----------------------------------------------------------------------
-    def prepare_step(self, tokens: Mapping[Hashable, int], *,
-                     min_tokens: int = 1, device_put: bool = True) -> StepMeta:
+    def prepare_step(self, tokens: Mapping[Hashable, int], *, min_tokens: int = 1,
+                     min_new_blocks: int = 1, min_resets: int = 1,
+                     device_put: bool = True) -> StepMeta:
         """Metadata of one step that appends `tokens[r]` tokens to each request r.
 
         Allocates a block whenever a request's new tokens cross into a new
         128-token block. Raises CacheFullError (and changes nothing) if a
-        request would pass its maximum context or the free blocks run out."""
+        request would pass its maximum context or the free blocks run out.
+        Sizes are padded to powers of two, at least the given minimums."""
+        plan = self.plan_step(tokens)
+        return self.commit_step(plan, min_tokens=min_tokens, min_new_blocks=min_new_blocks,
+                                min_resets=min_resets, device_put=device_put)
+
+    def plan_step(self, tokens: Mapping[Hashable, int]) -> "StepPlan":
+        """Check a step and size it, changing nothing (CacheFullError, KeyError
+        or ValueError if it cannot be done)."""
         cfg = self.config
-        plan = []           # (request, first position, count, new logical blocks)
+        rows = []
         blocks_needed = 0
         for rid, n in tokens.items():
             req = self._request(rid)
-            if not isinstance(n, (int, np.integer)) or n < 0:
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"tokens[{rid!r}]: expected a count >= 0, got {n!r}")
             end = req.length + int(n)
             if end > cfg.max_context:
@@ -139,22 +148,27 @@ class CacheManager:
                     f"({cfg.max_blocks_per_request} blocks of {BLOCK_TOKENS})")
             have = len(req.blocks)
             want = -(-end // BLOCK_TOKENS)
-            plan.append((rid, req, req.length, int(n), range(have, max(have, want))))
+            rows.append((rid, int(n), range(have, max(have, want))))
             blocks_needed += max(0, want - have)
         if blocks_needed > len(self._free_blocks):
             raise CacheFullError(
                 f"step needs {blocks_needed} new blocks{self._where()}, only "
                 f"{len(self._free_blocks)} of {cfg.num_blocks} are free")
+        return StepPlan(rows, sum(r[1] for r in rows), blocks_needed, len(self._pending_resets))
 
-        # Nothing can fail from here on: commit.
-        total = sum(p[3] for p in plan)
-        T = bucket(total, min_tokens)
+    def commit_step(self, plan: "StepPlan", *, min_tokens: int = 1, min_new_blocks: int = 1,
+                    min_resets: int = 1, device_put: bool = True) -> StepMeta:
+        """Carry out a plan from `plan_step` (made since the last change)."""
+        cfg = self.config
+        T = bucket(plan.num_tokens, min_tokens)
         token_slot = np.full(T, -1, np.int32)
         token_pos = np.zeros(T, np.int32)
         new_blocks = []
         row = 0
         self._token_rows = {}
-        for rid, req, start, n, logicals in plan:
+        for rid, n, logicals in plan.rows:
+            req = self._requests[rid]
+            start = req.length
             token_slot[row:row + n] = req.slot
             token_pos[row:row + n] = np.arange(start, start + n, dtype=np.int32)
             self._token_rows[rid] = slice(row, row + n)
@@ -164,10 +178,10 @@ class CacheManager:
                 req.blocks.append(physical)
                 new_blocks.append((req.slot, logical, physical))
             req.length = start + n
-        nb = np.full((bucket(len(new_blocks)), 3), -1, np.int32)
+        nb = np.full((bucket(len(new_blocks), min_new_blocks), 3), -1, np.int32)
         if new_blocks:
             nb[:len(new_blocks)] = new_blocks
-        resets = np.full(bucket(len(self._pending_resets)), -1, np.int32)
+        resets = np.full(bucket(len(self._pending_resets), min_resets), -1, np.int32)
         resets[:len(self._pending_resets)] = self._pending_resets
         self._pending_resets = []
         lengths = np.zeros(cfg.max_requests, np.int32)
@@ -175,3 +189,12 @@ class CacheManager:
             lengths[req.slot] = req.length
         return StepMeta.build(token_slot=token_slot, token_pos=token_pos, lengths=lengths,
                               new_blocks=nb, reset_slots=resets, device_put=device_put)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """A checked step: per request (id, new tokens, new logical blocks)."""
+    rows: list
+    num_tokens: int
+    num_new_blocks: int
+    num_resets: int

@@ -54,9 +54,10 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def memory_report(config: CacheConfig, num_shards: int = 1) -> MemoryReport:
+def memory_report(config: CacheConfig, num_shards: int | None = None) -> MemoryReport:
     """Exact bytes per pool, layer kind, request, block and token of context.
-    With `num_shards`, the R and N axes are split evenly over that many shards."""
+    `num_shards` (default: the config's) splits the R and N axes evenly."""
+    num_shards = config.num_shards if num_shards is None else num_shards
     if config.max_requests % num_shards or config.num_blocks % num_shards:
         raise ValueError(f"num_shards: {num_shards} must divide max_requests "
                          f"({config.max_requests}) and num_blocks ({config.num_blocks})")

@@ -89,12 +89,16 @@ class StepMeta:
         return cls(data, len(token_slot), len(lengths), len(new_blocks), len(reset_slots))
 
     def check(self, config) -> None:
-        """Trace-time checks against a config (ValueError naming the field)."""
-        expect = self.num_tokens * 2 + self.num_requests + 3 * self.num_new_blocks + self.num_resets
+        """Trace-time checks against a config (ValueError naming the field).
+        For a sharded config the sizes are per shard and `data` holds one
+        packed array per shard, shard after shard."""
+        local = config.local()
+        expect = (self.num_tokens * 2 + self.num_requests + 3 * self.num_new_blocks
+                  + self.num_resets) * config.num_shards
         if tuple(self.data.shape) != (expect,):
             raise ValueError(f"meta.data: expected shape ({expect},), got {tuple(self.data.shape)}")
         if self.data.dtype != jnp.int32:
             raise ValueError(f"meta.data: expected dtype int32, got {self.data.dtype}")
-        if self.num_requests != config.max_requests:
-            raise ValueError(f"meta.lengths: expected {config.max_requests} entries "
-                             f"(max_requests), got {self.num_requests}")
+        if self.num_requests != local.max_requests:
+            raise ValueError(f"meta.lengths: expected {local.max_requests} entries "
+                             f"(max_requests per shard), got {self.num_requests}")

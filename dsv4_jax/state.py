@@ -78,7 +78,7 @@ class CacheState:
     swa: WindowState
     csa: CSAState
     hca: HCAState
-    errors: jax.Array        # i32[NUM_ERROR_KINDS]
+    errors: jax.Array        # i32[NUM_ERROR_KINDS] (per shard: i32[shards * NUM_ERROR_KINDS])
     config: CacheConfig
 
 
@@ -124,7 +124,7 @@ def state_shapes(config: CacheConfig) -> CacheState:
                      S((Lc, R, 2, 3, C.INDEX_DIM), f32)),
         hca=HCAState(kv_entry_shapes(config.kv_format, (Lh, N, per_block_hca)),
                      S((Lh, R, 1, 3, C.HEAD_DIM), f32)),
-        errors=S((NUM_ERROR_KINDS,), i32),
+        errors=S((config.num_shards * NUM_ERROR_KINDS,), i32),   # one row of counters per shard
         config=config)
 
 

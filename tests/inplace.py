@@ -21,6 +21,11 @@ def _copied_shapes(hlo: str) -> list[str]:
     return re.findall(r"=\s*(\S+?\[[\d,]*\])\S*\s+copy\(", hlo)
 
 
+def _pointers(x) -> tuple:
+    """Device buffer address of every shard of an array."""
+    return tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+
+
 def compiled_text(step, *args):
     return step.lower(*args).compile().as_text()
 
@@ -41,9 +46,9 @@ def assert_in_place(step, state, *args, min_bytes: int = 4096):
     copies = [s for s in _copied_shapes(hlo)
               if any(s.endswith("[" + p.split("[", 1)[1]) for p in pool_shapes)]
     assert not copies, f"pool-shaped copies in the compiled step: {copies}"
-    before = [leaves[i].unsafe_buffer_pointer() for i in big]
+    before = [_pointers(leaves[i]) for i in big]
     new_state = step(state, *args)
     after_leaves = jax.tree_util.tree_leaves(new_state)
-    after = [after_leaves[i].unsafe_buffer_pointer() for i in big]
+    after = [_pointers(after_leaves[i]) for i in big]
     assert before == after, "a donated pool moved to another buffer"
     return new_state

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .. import reference
 from ..meta import StepMeta
+from ..sharding import run_sharded
 from ..state import CacheState
 from ._dispatch import check_state, ffi_in_place, resolve_impl
 
@@ -24,6 +25,8 @@ def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> Cach
     if not isinstance(meta, StepMeta):
         raise ValueError(f"meta: expected a StepMeta, got {type(meta).__name__}")
     meta.check(state.config)
+    if state.config.sharded:   # per shard, with shard-local slots and block ids
+        return run_sharded(lambda st, m: apply_step(st, m, impl=impl), state, [meta], [], "state")
     new_blocks, reset_slots = meta.new_blocks, meta.reset_slots
     impl = resolve_impl(impl, TARGET, [state.block_table])
     if impl == "reference":

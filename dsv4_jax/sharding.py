@@ -1,0 +1,191 @@
+"""Data-parallel sharding of the cache (DESIGN §10).
+
+The request axis R and the block axis N of every state leaf are split over one
+mesh axis; each shard owns its requests and its blocks (slots and block ids
+are shard-local). Ops on a sharded state run their single-device
+implementation per shard inside `jax.shard_map`: no collectives, aliasing kept.
+
+    cfg = shard_config(CacheConfig.flash(max_requests=16), mesh, "data")
+    state = init_sharded_state(cfg, mesh)
+    manager = ShardedCacheManager(cfg)
+    with jax.set_mesh(mesh):
+        state = step(state, manager.prepare_step({...}), ...)
+
+Per-token and per-request operands (kv, score, slots, ...) are laid out shard
+by shard along their first axis: rows [k*T, (k+1)*T) belong to shard k, with
+the shard's local slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Hashable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .config import CacheConfig
+from .manager import CacheFullError, CacheManager
+from .meta import StepMeta
+from .state import CacheState, init_state, state_shapes
+
+
+def shard_config(config: CacheConfig, mesh: jax.sharding.Mesh, axis: str) -> CacheConfig:
+    """`config` split over mesh axis `axis` (R and N must divide evenly)."""
+    if axis not in mesh.shape:
+        raise ValueError(f"axis: expected one of the mesh axes {tuple(mesh.shape)}, got {axis!r}")
+    return config.replace(num_shards=int(mesh.shape[axis]), shard_axis=axis)
+
+
+def state_specs(config: CacheConfig) -> CacheState:
+    """PartitionSpec of every state leaf: R (block table rows, window,
+    accumulators) and N (pools) split over the shard axis, errors split so
+    each shard has its own row of counters."""
+    axis = config.shard_axis
+
+    def spec(path, sds):
+        name = jax.tree_util.keystr(path)
+        if name.startswith((".block_table", ".errors")):
+            return P(axis)
+        return P(None, axis)          # [layers, R or N, ...]
+    return jax.tree_util.tree_map_with_path(spec, state_shapes(config))
+
+
+def state_sharding(config: CacheConfig, mesh: jax.sharding.Mesh) -> CacheState:
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), state_specs(config))
+
+
+def init_sharded_state(config: CacheConfig, mesh: jax.sharding.Mesh) -> CacheState:
+    """A fresh state created already placed on its shards."""
+    if not config.sharded:
+        raise ValueError("config: expected a sharded config (use shard_config)")
+    return init_state(config, sharding=state_sharding(config, mesh))
+
+
+def _context_mesh(config: CacheConfig):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or config.shard_axis not in mesh.shape:
+        raise ValueError(
+            f"state: sharded over mesh axis {config.shard_axis!r}; call the op under "
+            f"`with jax.set_mesh(mesh):` with a mesh that has that axis")
+    if mesh.shape[config.shard_axis] != config.num_shards:
+        raise ValueError(f"state: sharded over {config.num_shards} shards, but mesh axis "
+                         f"{config.shard_axis!r} has {mesh.shape[config.shard_axis]}")
+    return mesh
+
+
+def _with_config(tree, config: CacheConfig):
+    """Replace the static config of every CacheState in `tree`."""
+    is_state = lambda x: isinstance(x, CacheState)
+    return jax.tree_util.tree_map(
+        lambda x: dataclasses.replace(x, config=config) if is_state(x) else x, tree,
+        is_leaf=is_state)
+
+
+def run_sharded(fn: Callable, state: CacheState, sharded: Sequence, replicated: Sequence,
+                out_specs) -> object:
+    """Run `fn(local_state, *sharded, *replicated)` on every shard.
+
+    `sharded` operands are split along their first axis, `replicated` ones are
+    whole on every shard. `out_specs` names "state" where `fn` returns the
+    state and "rows" for outputs split along their first axis (a pytree
+    matching fn's output)."""
+    cfg = state.config
+    axis = cfg.shard_axis
+    local = cfg.local()
+    sspec = state_specs(cfg)
+
+    def to_spec(o):
+        return {"state": sspec, "rows": P(axis)}[o]
+    outs = jax.tree_util.tree_map(to_spec, out_specs, is_leaf=lambda o: isinstance(o, str))
+
+    def body(st, *args):
+        return _with_config(fn(_with_config(st, local), *args), cfg)
+
+    return jax.shard_map(
+        body, mesh=_context_mesh(cfg),
+        in_specs=(sspec, *([P(axis)] * len(sharded)), *([P()] * len(replicated))),
+        out_specs=outs, check_vma=False)(state, *sharded, *replicated)
+
+
+class ShardedCacheManager:
+    """One `CacheManager` per shard; admits each request on the least-loaded
+    shard and builds step metadata laid out shard by shard."""
+
+    def __init__(self, config: CacheConfig):
+        if not config.sharded:
+            raise ValueError("config: expected a sharded config (use shard_config)")
+        self.config = config
+        self.shards = [CacheManager(config.local(), shard=k) for k in range(config.num_shards)]
+        self._shard_of: dict[Hashable, int] = {}
+        self._token_offsets: dict[Hashable, int] = {}
+        self._tokens_per_shard = 0
+
+    def admit(self, request_id: Hashable | None = None, shard: int | None = None) -> Hashable:
+        """Admit on `shard`, or on the shard with the most free slots (then
+        blocks). Raises CacheFullError naming the shard(s) that are full."""
+        if request_id is None:
+            request_id = next(i for i in range(len(self._shard_of) + 1)
+                              if i not in self._shard_of)
+        if request_id in self._shard_of:
+            raise ValueError(f"request_id: {request_id!r} is already admitted")
+        if shard is None:
+            open_ = [k for k, m in enumerate(self.shards) if m.free_slots]
+            if not open_:
+                raise CacheFullError(f"no free request slot on any of the {len(self.shards)} "
+                                     f"shards (asked for 1)")
+            shard = max(open_, key=lambda k: (self.shards[k].free_slots,
+                                              self.shards[k].free_blocks, -k))
+        self.shards[shard].admit(request_id)
+        self._shard_of[request_id] = shard
+        return request_id
+
+    def release(self, request_id) -> None:
+        self.shards[self.shard_of(request_id)].release(request_id)
+        del self._shard_of[request_id]
+
+    def shard_of(self, request_id) -> int:
+        try:
+            return self._shard_of[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not admitted") from None
+
+    def slot_of(self, request_id) -> int:
+        """The request's shard-local slot."""
+        return self.shards[self.shard_of(request_id)].slot_of(request_id)
+
+    def global_slot(self, request_id) -> int:
+        """Row of the request in the global (sharded) R axis."""
+        return self.shard_of(request_id) * self.config.local().max_requests + self.slot_of(request_id)
+
+    def token_rows(self, request_id) -> slice:
+        """Rows of the request's tokens in the last step's global token axis."""
+        k = self.shard_of(request_id)
+        local = self.shards[k].token_rows(request_id)
+        off = k * self._tokens_per_shard
+        return slice(local.start + off, local.stop + off)
+
+    @property
+    def tokens_per_shard(self) -> int:
+        return self._tokens_per_shard
+
+    def prepare_step(self, tokens: Mapping[Hashable, int], *, min_tokens: int = 1,
+                     device_put: bool = True) -> StepMeta:
+        """Per-shard metadata padded to common sizes and concatenated shard by
+        shard. All shards are checked before any changes (CacheFullError names
+        the shard); a failed step changes nothing."""
+        per_shard = [dict() for _ in self.shards]
+        for rid, n in tokens.items():
+            per_shard[self.shard_of(rid)][rid] = n
+        plans = [m.plan_step(t) for m, t in zip(self.shards, per_shard)]
+        sizes = dict(min_tokens=max([min_tokens] + [p.num_tokens for p in plans]),
+                     min_new_blocks=max([1] + [p.num_new_blocks for p in plans]),
+                     min_resets=max([1] + [p.num_resets for p in plans]))
+        metas = [m.commit_step(p, device_put=False, **sizes) for m, p in zip(self.shards, plans)]
+        first = metas[0]
+        self._tokens_per_shard = first.num_tokens
+        data = np.concatenate([np.asarray(m.data) for m in metas])
+        if device_put:
+            data = jax.device_put(data)
+        return StepMeta(data, first.num_tokens, first.num_requests, first.num_new_blocks,
+                        first.num_resets)
