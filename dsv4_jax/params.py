@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -32,5 +33,36 @@ def yarn_inv_freq(rope_dim: int = C.ROPE_DIM, theta: float = C.ROPE_THETA,
                   original_length: int = C.ROPE_ORIGINAL_LENGTH,
                   beta_fast: float = C.ROPE_BETA_FAST,
                   beta_slow: float = C.ROPE_BETA_SLOW) -> np.ndarray:
-    """The official compressor RoPE inverse frequencies, f32[rope_dim // 2]."""
-    raise NotImplementedError("yarn_inv_freq: implemented by the reference issue")
+    """The official compressor RoPE inverse frequencies, f32[rope_dim // 2].
+
+    YaRN as in the DeepSeek-V3/V4 inference code (`precompute_freqs_cis`): the
+    base frequencies theta^(-2k/rope_dim) are blended with the same divided by
+    `factor`, through a linear ramp over the pair index k between the
+    correction dims of `beta_fast` and `beta_slow` rotations at
+    `original_length`. Pairs below the ramp keep the base frequency
+    (high frequencies, extrapolated); pairs above it are interpolated
+    (divided by `factor`).
+
+    The powers theta^(2k/rope_dim) are computed in float64 and rounded to
+    float32 once (what a correctly rounded float32 pow gives); the reciprocal
+    and the blend run in float32. This reproduces the Hugging Face
+    DeepseekV4 frequencies bit for bit."""
+    half = rope_dim // 2
+
+    def correction_dim(rotations: float) -> float:
+        # pair index whose wavelength fits `rotations` times in original_length
+        return (rope_dim * math.log(original_length / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001   # avoid a zero-width ramp
+    powers = (theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+              ).astype(np.float32)
+    base = np.float32(1) / powers
+    ramp = np.clip((np.arange(half, dtype=np.float32) - np.float32(low))
+                   / np.float32(high - low), 0, 1).astype(np.float32)
+    keep = np.float32(1) - ramp   # weight of the unscaled frequency
+    out = base / np.float32(factor) * (np.float32(1) - keep) + base * keep
+    return out.astype(np.float32)

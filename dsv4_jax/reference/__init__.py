@@ -13,5 +13,9 @@ The public ops (dsv4_jax.ops) check arguments and call these with:
 the docstrings of dsv4_jax/ops/*.py.
 """
 from .apply_step import apply_step, pools_to_scrub as apply_step_pools, with_pools as apply_step_with_pools
+from .compressor import flush
+from .gather import gather_all, gather_topk
+from .window import append, gather_window
 
-__all__ = ["apply_step", "apply_step_pools", "apply_step_with_pools"]
+__all__ = ["apply_step", "apply_step_pools", "apply_step_with_pools", "append", "flush",
+           "gather_window", "gather_topk", "gather_all"]

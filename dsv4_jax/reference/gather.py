@@ -1,0 +1,94 @@
+"""Gathers of compressed entries: gather_topk (CSA) and gather_all (HCA)
+(DESIGN §6; per-row rules in dsv4_jax/ops/gather.py).
+
+Rows are read with clipped indices and masked to zero where they are not
+valid, so nothing outside the pools is ever addressed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import config as C
+from ..errors import ErrorKind
+from ..state import CacheState
+from . import quant
+from ._rows import add_errors, count, layer_ok, read_index
+
+
+def _read_entries(pool, layer, block, row, kv_format, ok):
+    """Dequantized bf16 entries pool[layer, block, row] (index arrays of one
+    shape), zero where not `ok`."""
+    N = jax.tree_util.tree_leaves(pool)[0].shape[1]
+    b = read_index(block, N)
+    entries = jax.tree_util.tree_map(lambda p: p[layer][b, row], pool)
+    kv = quant.dequantize_kv(entries, kv_format)
+    return jnp.where(ok[..., None], kv, jnp.zeros((), kv.dtype))
+
+
+def gather_topk(state: CacheState, kind_idx, token_slot, token_pos, indices):
+    """kv bf16[T, k, 512], valid bool[T, k], errors.
+
+    A query at position t sees entry i iff 0 <= i < (t + 1) // 4. Per token:
+    slot -1 -> the row is invalid, nothing counted; slot outside [0, R) ->
+    BAD_SLOT once; pos < 0 -> BAD_POSITION once; in those cases the indices of
+    the row are not examined. Per index of a good token: -1 -> invalid, no
+    error; < -1, not visible, or past the block table (i >= MB * 32, only
+    possible for t >= max_context) -> BAD_INDEX; block table entry outside
+    [0, N) -> MISSING_BLOCK."""
+    cfg = state.config
+    R, MB = cfg.max_requests, cfg.max_blocks_per_request
+    N = cfg.num_blocks
+    Lc = state.csa.comp.shape[0]
+    per_block = C.BLOCK_TOKENS // C.CSA_RATIO
+    ok_layer = layer_ok(kind_idx, Lc)
+
+    slot_ok = (token_slot >= 0) & (token_slot < R)
+    bad_slot = (token_slot != -1) & ~slot_ok
+    bad_pos = slot_ok & (token_pos < 0)
+    row_ok = (slot_ok & ~bad_pos)[:, None]
+    visible = ((token_pos + 1) // C.CSA_RATIO)[:, None]
+    examined = row_ok & (indices != -1)
+    bad_index = examined & ((indices < -1) | (indices >= visible) | (indices >= MB * per_block))
+    col = jnp.clip(indices // per_block, 0, MB - 1)
+    block = state.block_table[read_index(token_slot, R)[:, None], col]
+    missing = examined & ~bad_index & ((block < 0) | (block >= N))
+    valid = examined & ~bad_index & ~missing & ok_layer
+    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
+                                                 ErrorKind.BAD_POSITION: count(bad_pos),
+                                                 ErrorKind.BAD_INDEX: count(bad_index),
+                                                 ErrorKind.MISSING_BLOCK: count(missing)})
+    row = jnp.where(valid, indices, 0) % per_block
+    kv = _read_entries(state.csa.kv, read_index(kind_idx, Lc), block, row, cfg.kv_format, valid)
+    return kv, valid, errors
+
+
+def gather_all(state: CacheState, kind_idx, slots, lengths, max_entries: int):
+    """kv bf16[B, E, 512], count i32[B], errors.
+
+    count = length // 128. Slot -1 -> count 0, no error; slot outside [0, R)
+    -> BAD_SLOT, count 0; length < 0, > max_context or count > E ->
+    BAD_LENGTH, count 0; an entry below count whose block table entry is
+    outside [0, N) -> MISSING_BLOCK, that row zero (count unchanged)."""
+    cfg = state.config
+    R, MB, N = cfg.max_requests, cfg.max_blocks_per_request, cfg.num_blocks
+    E = max_entries
+    Lh = state.hca.comp.shape[0]
+    ok_layer = layer_ok(kind_idx, Lh)
+
+    slot_ok = (slots >= 0) & (slots < R)
+    bad_slot = (slots != -1) & ~slot_ok
+    n = lengths // C.HCA_RATIO
+    bad_length = slot_ok & ((lengths < 0) | (lengths > cfg.max_context) | (n > E))
+    n = jnp.where(slot_ok & ~bad_length & ok_layer, n, 0)
+    j = jnp.arange(E, dtype=jnp.int32)[None, :]
+    need = j < n[:, None]
+    block = state.block_table[read_index(slots, R)[:, None], jnp.clip(j, 0, MB - 1)]
+    missing = need & ((block < 0) | (block >= N))
+    ok = need & ~missing
+    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
+                                                 ErrorKind.BAD_LENGTH: count(bad_length),
+                                                 ErrorKind.MISSING_BLOCK: count(missing)})
+    kv = _read_entries(state.hca.kv, read_index(kind_idx, Lh), block, jnp.zeros_like(block),
+                       cfg.kv_format, ok)
+    return kv, n, errors
