@@ -5,6 +5,10 @@
 
 namespace nb = nanobind;
 
+namespace dsv4 {
+void BindNumerics(nb::module_& m);  // numerics_py.cc
+}  // namespace dsv4
+
 namespace {
 template <typename Fn>
 nb::capsule Capsule(Fn* fn) {
@@ -16,6 +20,13 @@ NB_MODULE(_dsv4_cpu, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["dsv4_apply_step"] = Capsule(dsv4::ApplyStepCpu);
+    targets["dsv4_append"] = Capsule(dsv4::AppendCpu);
+    targets["dsv4_flush_csa"] = Capsule(dsv4::FlushCsaCpu);
+    targets["dsv4_flush_hca"] = Capsule(dsv4::FlushHcaCpu);
+    targets["dsv4_gather_window"] = Capsule(dsv4::GatherWindowCpu);
+    targets["dsv4_gather_topk"] = Capsule(dsv4::GatherTopkCpu);
+    targets["dsv4_gather_all"] = Capsule(dsv4::GatherAllCpu);
     return targets;
   });
+  dsv4::BindNumerics(m);
 }

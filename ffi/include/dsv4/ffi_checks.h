@@ -32,12 +32,33 @@ inline ffi::Error CheckDims(const char* name, ffi::Span<const int64_t> dims,
                                      DimsToString(expected) + ", got " + DimsToString(dims));
 }
 
+inline std::string DataTypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E8M0FNU: return "float8_e8m0fnu";
+    default: return "dtype code " + std::to_string(static_cast<int>(t));
+  }
+}
+
 inline ffi::Error CheckType(const char* name, ffi::DataType got, ffi::DataType want) {
   if (got == want) return ffi::Error::Success();
-  std::ostringstream out;
-  out << name << ": expected dtype code " << static_cast<int>(want) << ", got "
-      << static_cast<int>(got);
-  return ffi::Error::InvalidArgument(out.str());
+  return ffi::Error::InvalidArgument(std::string(name) + ": expected dtype " +
+                                     DataTypeName(want) + ", got " + DataTypeName(got));
+}
+
+// Both dtype and shape of an untyped buffer.
+inline ffi::Error CheckBuffer(const char* name, const ffi::AnyBuffer& b, ffi::DataType want,
+                              std::vector<int64_t> expected) {
+  ffi::Error e = CheckType(name, b.element_type(), want);
+  if (e.failure()) return e;
+  return CheckDims(name, b.dimensions(), std::move(expected));
 }
 
 #define DSV4_RETURN_IF_ERROR(expr)        \

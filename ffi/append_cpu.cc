@@ -1,0 +1,58 @@
+// CPU handler of append (operands in append.h, rules in dsv4_jax/ops/append.py).
+#include <vector>
+
+#include "append.h"
+#include "handlers_cpu.h"
+
+namespace dsv4 {
+namespace {
+
+ffi::Error AppendImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+                      ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
+                      ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
+                      ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
+                      ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
+  AppendArgs a;
+  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
+                                      swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
+                                      entry_rets, &a));
+  const int64_t l = *a.layer;
+  if (l < 0 || l >= a.L) {
+    ++a.errors[kBadLayer];
+    return ffi::Error::Success();
+  }
+  // Pass 1: the winning row of each (slot, ring slot): largest position, ties
+  // to the later row. Pass 2: write the winners.
+  std::vector<int64_t> winner(static_cast<size_t>(a.R) * kWindow, -1);
+  for (int64_t t = 0; t < a.T; ++t) {
+    int64_t s = a.slot[t], p = a.pos[t];
+    if (s == -1) continue;
+    if (s < 0 || s >= a.R) {
+      ++a.errors[kBadSlot];
+      continue;
+    }
+    if (p < 0 || p >= a.max_context) {
+      ++a.errors[kBadPosition];
+      continue;
+    }
+    int64_t& w = winner[static_cast<size_t>(s * kWindow + p % kWindow)];
+    if (w < 0 || p >= a.pos[w]) w = t;
+  }
+  float row[kHeadDim];
+  for (int64_t s = 0; s < a.R; ++s)
+    for (int64_t r = 0; r < kWindow; ++r) {
+      int64_t t = winner[static_cast<size_t>(s * kWindow + r)];
+      if (t < 0) continue;
+      for (int c = 0; c < kHeadDim; ++c) row[c] = num::Bf16ToF32(a.kv[t * kHeadDim + c]);
+      int64_t e = (l * a.R + s) * kWindow + r;
+      EncodeEntry(a.pool, e, row);
+      a.swa_pos[e] = a.pos[t];
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AppendCpu, AppendImpl, BindAppend(ffi::Ffi::Bind()));
+
+}  // namespace dsv4

@@ -1,0 +1,249 @@
+// flush: fold a step's compressor projections into the online-softmax
+// accumulators of a CSA or HCA layer and write the entries the step closes.
+// Operands and per-token rules: dsv4_jax/ops/flush.py ("dsv4_flush_csa",
+// "dsv4_flush_hca"); semantics DESIGN §3 and §5.
+//
+// Accumulators: comp[L, R, A, 3, d] with rows (max, sum, kv) per channel. CSA
+// has A = 2: index 0 = current (entry w: a halves of window w-1, b halves of
+// window w so far), index 1 = next (entry w+1: a halves of window w). HCA has
+// A = 1. A token at position p (window w = p / m) adds, per channel c,
+//   CSA: (z[d + c], kv[d + c]) to current and (z[c], kv[c]) to next,
+//   HCA: (z[c], kv[c]) to its accumulator,
+// with z = score + ape[p mod m]. The token at p = (w+1)m - 1 closes window w:
+// current is finalized into entry w, then current <- next, next <- empty.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "dsv4/entry_checks.h"
+#include "dsv4/ffi_checks.h"
+#include "dsv4/layout.h"
+#include "dsv4/numerics.h"
+
+namespace dsv4 {
+
+// ---- epilogue (shared with the CUDA kernels) -------------------------------------
+// x[d]: the pooled fp32 value on entry; on return the bf16-valued row to store:
+// bf16 -> RMSNorm (fp32) -> bf16 -> RoPE of the trailing 64 channels at `pos` -> bf16.
+DSV4_HD void EntryEpilogue(float* x, int d, const float* norm, const float* inv_freq,
+                           int64_t pos) {
+  for (int c = 0; c < d; ++c) x[c] = num::RoundBf16(x[c]);
+  num::RmsNorm(x, norm, d, x);
+  for (int c = 0; c < d; ++c) x[c] = num::RoundBf16(x[c]);
+  num::RopeInterleaved(x + d - kRopeDim, kRopeDim / 2, pos, inv_freq);
+  for (int c = d - kRopeDim; c < d; ++c) x[c] = num::RoundBf16(x[c]);
+}
+
+// Indexer key: the epilogue at d = 128, then Hadamard (fp32, from the bf16
+// key) rounded to bf16; MXFP4 quantization follows (EncodeIndexKey).
+DSV4_HD void IndexKeyEpilogue(float* x, const float* norm, const float* inv_freq, int64_t pos) {
+  EntryEpilogue(x, kIndexDim, norm, inv_freq, pos);
+  num::Hadamard128(x);
+  for (int c = 0; c < kIndexDim; ++c) x[c] = num::RoundBf16(x[c]);
+}
+
+// ---- operands ------------------------------------------------------------------------
+// One compressor's read-only inputs and its accumulators.
+struct CompressorView {
+  int d = 0, coff = 0, m = 0;
+  const float* kv = nullptr;     // [T, coff*d]
+  const float* score = nullptr;  // [T, coff*d]
+  const float* ape = nullptr;    // [m, coff*d]
+  const float* norm = nullptr;   // [d]
+  const float* inv_freq = nullptr;  // [32]
+  float* comp = nullptr;         // [L, R, coff, 3, d]
+};
+
+struct FlushArgs {
+  bool csa = false;
+  int64_t T = 0, L = 0, R = 0, MB = 0, N = 0, per_block = 0, max_context = 0;
+  const int32_t* layer = nullptr;
+  const int32_t* slot = nullptr;
+  const int32_t* pos = nullptr;
+  const int32_t* block_table = nullptr;
+  CompressorView main, index;       // index: CSA only
+  uint8_t* index_packed = nullptr;  // [L, N, 32, 64]
+  uint8_t* index_scale = nullptr;   // [L, N, 32, 4]
+  int32_t* errors = nullptr;
+  EntryPool pool;                   // [L, N, per_block]
+};
+
+template <typename Binding>
+auto BindFlushCsa(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("kv_format")
+      .template Attr<int64_t>("max_context")
+      .template Arg<ffi::AnyBuffer>()  // layer
+      .template Arg<ffi::AnyBuffer>()  // token_slot
+      .template Arg<ffi::AnyBuffer>()  // token_pos
+      .template Arg<ffi::AnyBuffer>()  // kv
+      .template Arg<ffi::AnyBuffer>()  // score
+      .template Arg<ffi::AnyBuffer>()  // ape
+      .template Arg<ffi::AnyBuffer>()  // norm
+      .template Arg<ffi::AnyBuffer>()  // inv_freq
+      .template Arg<ffi::AnyBuffer>()  // index_kv
+      .template Arg<ffi::AnyBuffer>()  // index_score
+      .template Arg<ffi::AnyBuffer>()  // index_ape
+      .template Arg<ffi::AnyBuffer>()  // index_norm
+      .template Arg<ffi::AnyBuffer>()  // index_inv_freq
+      .template Arg<ffi::AnyBuffer>()  // block_table
+      .RemainingArgs()                 // comp, icomp, index.packed, index.scale, errors, entries
+      .template Ret<ffi::AnyBuffer>()  // comp
+      .template Ret<ffi::AnyBuffer>()  // icomp
+      .template Ret<ffi::AnyBuffer>()  // index.packed
+      .template Ret<ffi::AnyBuffer>()  // index.scale
+      .template Ret<ffi::AnyBuffer>()  // errors
+      .RemainingRets();                // entry leaves
+}
+
+template <typename Binding>
+auto BindFlushHca(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("kv_format")
+      .template Attr<int64_t>("max_context")
+      .template Arg<ffi::AnyBuffer>()  // layer
+      .template Arg<ffi::AnyBuffer>()  // token_slot
+      .template Arg<ffi::AnyBuffer>()  // token_pos
+      .template Arg<ffi::AnyBuffer>()  // kv
+      .template Arg<ffi::AnyBuffer>()  // score
+      .template Arg<ffi::AnyBuffer>()  // ape
+      .template Arg<ffi::AnyBuffer>()  // norm
+      .template Arg<ffi::AnyBuffer>()  // inv_freq
+      .template Arg<ffi::AnyBuffer>()  // block_table
+      .RemainingArgs()                 // comp, errors, entries
+      .template Ret<ffi::AnyBuffer>()  // comp
+      .template Ret<ffi::AnyBuffer>()  // errors
+      .RemainingRets();                // entry leaves
+}
+
+// Checks one compressor's inputs ([T, coff*d] projections, ape, norm,
+// inv_freq) under the names `prefix`kv, ... and fills `v`.
+inline ffi::Error BindCompressorInputs(const std::string& prefix, const std::string& pprefix,
+                                       int64_t T, int d, int coff, int m, ffi::AnyBuffer kv,
+                                       ffi::AnyBuffer score, ffi::AnyBuffer ape,
+                                       ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
+                                       CompressorView* v) {
+  const auto F32 = ffi::DataType::F32;
+  const int64_t w = int64_t{coff} * d;
+  DSV4_RETURN_IF_ERROR(CheckBuffer((prefix + "kv").c_str(), kv, F32, {T, w}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer((prefix + "score").c_str(), score, F32, {T, w}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer((pprefix + "ape").c_str(), ape, F32, {m, w}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer((pprefix + "norm").c_str(), norm, F32, {d}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer((pprefix + "inv_freq").c_str(), inv_freq, F32, {kRopeDim / 2}));
+  v->d = d;
+  v->coff = coff;
+  v->m = m;
+  v->kv = static_cast<const float*>(kv.untyped_data());
+  v->score = static_cast<const float*>(score.untyped_data());
+  v->ape = static_cast<const float*>(ape.untyped_data());
+  v->norm = static_cast<const float*>(norm.untyped_data());
+  v->inv_freq = static_cast<const float*>(inv_freq.untyped_data());
+  return ffi::Error::Success();
+}
+
+// The checks common to both kinds: attributes, layer, token metadata, block table.
+inline ffi::Error BindFlushCommon(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+                                  ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                                  ffi::AnyBuffer block_table, FlushArgs* a) {
+  DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
+  if (max_context <= 0)
+    return ffi::Error::InvalidArgument("max_context: expected > 0, got " +
+                                       std::to_string(max_context));
+  DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {-1}));
+  a->T = token_slot.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("token_pos", token_pos, ffi::DataType::S32, {a->T}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
+  a->R = block_table.dimensions()[0];
+  a->MB = block_table.dimensions()[1];
+  a->max_context = max_context;
+  a->layer = static_cast<const int32_t*>(layer.untyped_data());
+  a->slot = static_cast<const int32_t*>(token_slot.untyped_data());
+  a->pos = static_cast<const int32_t*>(token_pos.untyped_data());
+  a->block_table = static_cast<const int32_t*>(block_table.untyped_data());
+  return ffi::Error::Success();
+}
+
+// The aliased operands arrive twice (arguments, then results); the results
+// are what the handler writes, the arguments must match them.
+inline ffi::Error CheckAliasedCounts(const char* what, size_t args, size_t rets) {
+  if (args == rets) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(what) + ": " + std::to_string(args) +
+                                     " aliased inputs but " + std::to_string(rets) +
+                                     " results");
+}
+
+inline ffi::Error ValidateFlushCsa(
+    int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
+    ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
+    ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
+    ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
+    ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
+    ffi::AnyBuffer comp, ffi::AnyBuffer icomp, ffi::AnyBuffer packed, ffi::AnyBuffer iscale,
+    ffi::AnyBuffer errors, const ffi::RemainingRets& entry_rets, FlushArgs* out) {
+  FlushArgs a;
+  a.csa = true;
+  DSV4_RETURN_IF_ERROR(
+      BindFlushCommon(kv_format, max_context, layer, token_slot, token_pos, block_table, &a));
+  DSV4_RETURN_IF_ERROR(BindCompressorInputs("", "params.", a.T, kHeadDim, 2, kCsaRatio, kv, score,
+                                            ape, norm, inv_freq, &a.main));
+  DSV4_RETURN_IF_ERROR(BindCompressorInputs("index_", "params.index.", a.T, kIndexDim, 2,
+                                            kCsaRatio, index_kv, index_score, index_ape,
+                                            index_norm, index_inv_freq, &a.index));
+  DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_csa", rest.size(), 5 + entry_rets.size()));
+  const auto F32 = ffi::DataType::F32;
+  DSV4_RETURN_IF_ERROR(CheckBuffer("csa.comp", comp, F32, {-1, a.R, 2, 3, kHeadDim}));
+  a.L = comp.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("csa.icomp", icomp, F32, {a.L, a.R, 2, 3, kIndexDim}));
+  a.per_block = kBlockTokens / kCsaRatio;
+  DSV4_RETURN_IF_ERROR(
+      CheckBuffer("csa.index.packed", packed, ffi::DataType::U8, {a.L, -1, a.per_block, kIndexPacked}));
+  a.N = packed.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.scale", iscale, ffi::DataType::F8E8M0FNU,
+                                   {a.L, a.N, a.per_block, kIndexScales}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
+  std::vector<int64_t> lead = {a.L, a.N, a.per_block};
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves("csa.kv", kv_format, leaves, &lead, &a.pool));
+  a.main.comp = static_cast<float*>(comp.untyped_data());
+  a.index.comp = static_cast<float*>(icomp.untyped_data());
+  a.index_packed = static_cast<uint8_t*>(packed.untyped_data());
+  a.index_scale = static_cast<uint8_t*>(iscale.untyped_data());
+  a.errors = static_cast<int32_t*>(errors.untyped_data());
+  *out = a;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+                                   ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                                   ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
+                                   ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
+                                   ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
+                                   ffi::AnyBuffer comp, ffi::AnyBuffer errors,
+                                   const ffi::RemainingRets& entry_rets, FlushArgs* out) {
+  FlushArgs a;
+  a.csa = false;
+  DSV4_RETURN_IF_ERROR(
+      BindFlushCommon(kv_format, max_context, layer, token_slot, token_pos, block_table, &a));
+  DSV4_RETURN_IF_ERROR(BindCompressorInputs("", "params.", a.T, kHeadDim, 1, kHcaRatio, kv, score,
+                                            ape, norm, inv_freq, &a.main));
+  DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_hca", rest.size(), 2 + entry_rets.size()));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("hca.comp", comp, ffi::DataType::F32, {-1, a.R, 1, 3, kHeadDim}));
+  a.L = comp.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  a.per_block = kBlockTokens / kHcaRatio;
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
+  std::vector<int64_t> lead = {a.L, -1, a.per_block};
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves("hca.kv", kv_format, leaves, &lead, &a.pool));
+  a.N = lead[1];
+  a.main.comp = static_cast<float*>(comp.untyped_data());
+  a.errors = static_cast<int32_t*>(errors.untyped_data());
+  *out = a;
+  return ffi::Error::Success();
+}
+
+}  // namespace dsv4

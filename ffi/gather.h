@@ -1,0 +1,226 @@
+// The three gathers: window, top-k (CSA) and all (HCA). Operands and per-row
+// rules: dsv4_jax/ops/gather.py. Each reads entry leaves (RemainingArgs, after
+// `errors`) and writes dense bf16 rows; `errors` (an argument) is aliased into
+// the last result.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "dsv4/entry_checks.h"
+#include "dsv4/ffi_checks.h"
+#include "dsv4/layout.h"
+
+namespace dsv4 {
+
+// ---- dsv4_gather_window ---------------------------------------------------------
+//   attrs kv_format
+//   args  layer s32[], slots s32[B], swa.pos s32[L,R,128], errors s32[8], entries [L,R,128,...]
+//   rets  kv bf16[B,128,512], pos s32[B,128], errors
+struct GatherWindowArgs {
+  int64_t B = 0, L = 0, R = 0;
+  const int32_t* layer = nullptr;
+  const int32_t* slots = nullptr;
+  const int32_t* swa_pos = nullptr;
+  EntryPool pool;
+  uint16_t* out_kv = nullptr;
+  int32_t* out_pos = nullptr;
+  int32_t* errors = nullptr;
+};
+
+template <typename Binding>
+auto BindGatherWindow(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("kv_format")
+      .template Arg<ffi::AnyBuffer>()  // layer
+      .template Arg<ffi::AnyBuffer>()  // slots
+      .template Arg<ffi::AnyBuffer>()  // swa.pos
+      .template Arg<ffi::AnyBuffer>()  // errors
+      .RemainingArgs()                 // entry leaves
+      .template Ret<ffi::AnyBuffer>()  // kv
+      .template Ret<ffi::AnyBuffer>()  // pos
+      .template Ret<ffi::AnyBuffer>();  // errors
+}
+
+inline ffi::Error CheckErrorsPair(const ffi::AnyBuffer& in, const ffi::AnyBuffer& out) {
+  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", in, ffi::DataType::S32, {kNumErrorKinds}));
+  return CheckBuffer("errors (result)", out, ffi::DataType::S32, {kNumErrorKinds});
+}
+
+inline ffi::Error ValidateGatherWindow(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffer slots,
+                                       ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors_in,
+                                       const ffi::RemainingArgs& entry_args, ffi::AnyBuffer out_kv,
+                                       ffi::AnyBuffer out_pos, ffi::AnyBuffer errors,
+                                       GatherWindowArgs* out) {
+  GatherWindowArgs a;
+  DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
+  DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("slots", slots, ffi::DataType::S32, {-1}));
+  a.B = slots.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos", swa_pos, ffi::DataType::S32, {-1, -1, kWindow}));
+  a.L = swa_pos.dimensions()[0];
+  a.R = swa_pos.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckErrorsPair(errors_in, errors));
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
+  std::vector<int64_t> lead = {a.L, a.R, kWindow};
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves("swa.kv", kv_format, leaves, &lead, &a.pool));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.B, kWindow, kHeadDim}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("pos (result)", out_pos, ffi::DataType::S32, {a.B, kWindow}));
+  a.layer = static_cast<const int32_t*>(layer.untyped_data());
+  a.slots = static_cast<const int32_t*>(slots.untyped_data());
+  a.swa_pos = static_cast<const int32_t*>(swa_pos.untyped_data());
+  a.out_kv = static_cast<uint16_t*>(out_kv.untyped_data());
+  a.out_pos = static_cast<int32_t*>(out_pos.untyped_data());
+  a.errors = static_cast<int32_t*>(errors.untyped_data());
+  *out = a;
+  return ffi::Error::Success();
+}
+
+// ---- dsv4_gather_topk -------------------------------------------------------------
+//   attrs kv_format
+//   args  layer s32[] (CSA index), token_slot s32[T], token_pos s32[T], indices s32[T,k],
+//         block_table s32[R,MB], errors s32[8], entries [Lc,N,32,...]
+//   rets  kv bf16[T,k,512], valid bool[T,k], errors
+struct GatherTopkArgs {
+  int64_t T = 0, K = 0, R = 0, MB = 0, L = 0, N = 0, per_block = 0;
+  const int32_t* layer = nullptr;
+  const int32_t* slot = nullptr;
+  const int32_t* pos = nullptr;
+  const int32_t* indices = nullptr;
+  const int32_t* block_table = nullptr;
+  EntryPool pool;
+  uint16_t* out_kv = nullptr;
+  bool* valid = nullptr;
+  int32_t* errors = nullptr;
+};
+
+template <typename Binding>
+auto BindGatherTopk(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("kv_format")
+      .template Arg<ffi::AnyBuffer>()  // layer
+      .template Arg<ffi::AnyBuffer>()  // token_slot
+      .template Arg<ffi::AnyBuffer>()  // token_pos
+      .template Arg<ffi::AnyBuffer>()  // indices
+      .template Arg<ffi::AnyBuffer>()  // block_table
+      .template Arg<ffi::AnyBuffer>()  // errors
+      .RemainingArgs()                 // entry leaves
+      .template Ret<ffi::AnyBuffer>()  // kv
+      .template Ret<ffi::AnyBuffer>()  // valid
+      .template Ret<ffi::AnyBuffer>();  // errors
+}
+
+inline ffi::Error ValidateGatherTopk(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
+                                     ffi::AnyBuffer token_pos, ffi::AnyBuffer indices,
+                                     ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
+                                     const ffi::RemainingArgs& entry_args, ffi::AnyBuffer out_kv,
+                                     ffi::AnyBuffer valid, ffi::AnyBuffer errors,
+                                     GatherTopkArgs* out) {
+  GatherTopkArgs a;
+  DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
+  DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {-1}));
+  a.T = token_slot.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("token_pos", token_pos, ffi::DataType::S32, {a.T}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("indices", indices, ffi::DataType::S32, {a.T, -1}));
+  a.K = indices.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
+  a.R = block_table.dimensions()[0];
+  a.MB = block_table.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckErrorsPair(errors_in, errors));
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
+  a.per_block = kBlockTokens / kCsaRatio;
+  std::vector<int64_t> lead = {-1, -1, a.per_block};
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves("csa.kv", kv_format, leaves, &lead, &a.pool));
+  a.L = lead[0];
+  a.N = lead[1];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.T, a.K, kHeadDim}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("valid (result)", valid, ffi::DataType::PRED, {a.T, a.K}));
+  a.layer = static_cast<const int32_t*>(layer.untyped_data());
+  a.slot = static_cast<const int32_t*>(token_slot.untyped_data());
+  a.pos = static_cast<const int32_t*>(token_pos.untyped_data());
+  a.indices = static_cast<const int32_t*>(indices.untyped_data());
+  a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
+  a.out_kv = static_cast<uint16_t*>(out_kv.untyped_data());
+  a.valid = static_cast<bool*>(valid.untyped_data());
+  a.errors = static_cast<int32_t*>(errors.untyped_data());
+  *out = a;
+  return ffi::Error::Success();
+}
+
+// ---- dsv4_gather_all ------------------------------------------------------------------
+//   attrs kv_format, max_context
+//   args  layer s32[] (HCA index), slots s32[B], lengths s32[B], block_table s32[R,MB],
+//         errors s32[8], entries [Lh,N,1,...]
+//   rets  kv bf16[B,E,512], count s32[B], errors
+struct GatherAllArgs {
+  int64_t B = 0, E = 0, R = 0, MB = 0, L = 0, N = 0, max_context = 0;
+  const int32_t* layer = nullptr;
+  const int32_t* slots = nullptr;
+  const int32_t* lengths = nullptr;
+  const int32_t* block_table = nullptr;
+  EntryPool pool;
+  uint16_t* out_kv = nullptr;
+  int32_t* count = nullptr;
+  int32_t* errors = nullptr;
+};
+
+template <typename Binding>
+auto BindGatherAll(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("kv_format")
+      .template Attr<int64_t>("max_context")
+      .template Arg<ffi::AnyBuffer>()  // layer
+      .template Arg<ffi::AnyBuffer>()  // slots
+      .template Arg<ffi::AnyBuffer>()  // lengths
+      .template Arg<ffi::AnyBuffer>()  // block_table
+      .template Arg<ffi::AnyBuffer>()  // errors
+      .RemainingArgs()                 // entry leaves
+      .template Ret<ffi::AnyBuffer>()  // kv
+      .template Ret<ffi::AnyBuffer>()  // count
+      .template Ret<ffi::AnyBuffer>();  // errors
+}
+
+inline ffi::Error ValidateGatherAll(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+                                    ffi::AnyBuffer slots, ffi::AnyBuffer lengths,
+                                    ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
+                                    const ffi::RemainingArgs& entry_args, ffi::AnyBuffer out_kv,
+                                    ffi::AnyBuffer count, ffi::AnyBuffer errors, GatherAllArgs* out) {
+  GatherAllArgs a;
+  DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
+  if (max_context <= 0)
+    return ffi::Error::InvalidArgument("max_context: expected > 0, got " +
+                                       std::to_string(max_context));
+  DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("slots", slots, ffi::DataType::S32, {-1}));
+  a.B = slots.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("lengths", lengths, ffi::DataType::S32, {a.B}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
+  a.R = block_table.dimensions()[0];
+  a.MB = block_table.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckErrorsPair(errors_in, errors));
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
+  std::vector<int64_t> lead = {-1, -1, kBlockTokens / kHcaRatio};
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves("hca.kv", kv_format, leaves, &lead, &a.pool));
+  a.L = lead[0];
+  a.N = lead[1];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.B, -1, kHeadDim}));
+  a.E = out_kv.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("count (result)", count, ffi::DataType::S32, {a.B}));
+  a.max_context = max_context;
+  a.layer = static_cast<const int32_t*>(layer.untyped_data());
+  a.slots = static_cast<const int32_t*>(slots.untyped_data());
+  a.lengths = static_cast<const int32_t*>(lengths.untyped_data());
+  a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
+  a.out_kv = static_cast<uint16_t*>(out_kv.untyped_data());
+  a.count = static_cast<int32_t*>(count.untyped_data());
+  a.errors = static_cast<int32_t*>(errors.untyped_data());
+  *out = a;
+  return ffi::Error::Success();
+}
+
+}  // namespace dsv4
