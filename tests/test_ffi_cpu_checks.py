@@ -50,7 +50,7 @@ def test_append_good_call_runs(st):
     ("leaf_dtype", r"swa.kv.nope: expected dtype float8_e4m3fn, got bfloat16"),
     ("scale_shape", r"swa.kv.scale: expected shape \[4, 2, 128, 7\], got \[4, 2, 128, 1\]"),
     ("kv_format", r"kv_format: expected 0 \(ds_fp8\), 1 \(fp8_token\) or 2 \(bf16\), got 7"),
-    ("max_context", r"max_context: expected > 0, got 0"),
+    ("max_context", r"max_context: expected a positive multiple of 128, got 0"),
     ("pos_shape", r"swa.pos: expected shape \[\*, \*, 128\], got \[4, 2, 64\]"),
 ])
 def test_append_bad_operands(st, case, pattern):
