@@ -102,7 +102,9 @@ def test_softmax_merge_within_an_ulp(gpu):
     (c,), (g,) = both("softmax_merge", gpu, a, b, outs=[(a.shape, F32)])
     assert not np.isnan(g).any()
     np.testing.assert_array_equal(c[:, 0], g[:, 0])           # the max is exact
-    assert ulps(c[:, 1:], g[:, 1:]).max() <= 4
+    assert ulps(c[:, 1], g[:, 1]).max() <= 4                  # positive sums: no cancellation
+    # kv may cancel to near zero: compare against the size of its terms
+    assert (np.abs(c[:, 2] - g[:, 2]) <= 1e-6 * (np.abs(a[:, 2]) + np.abs(b[:, 2]))).all()
     print("softmax: bit-equal fraction", np.mean(c == g))
 
 
