@@ -148,9 +148,7 @@ inline ffi::Error BindFlushCommon(int64_t kv_format, int64_t max_context, ffi::A
                                   ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                                   ffi::AnyBuffer block_table, FlushArgs* a) {
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
-  if (max_context <= 0)
-    return ffi::Error::InvalidArgument("max_context: expected > 0, got " +
-                                       std::to_string(max_context));
+  DSV4_RETURN_IF_ERROR(CheckMaxContext(max_context));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
   DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {-1}));
   a->T = token_slot.dimensions()[0];

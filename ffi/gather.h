@@ -48,6 +48,25 @@ inline ffi::Error CheckErrorsPair(const ffi::AnyBuffer& in, const ffi::AnyBuffer
   return CheckBuffer("errors (result)", out, ffi::DataType::S32, {kNumErrorKinds});
 }
 
+// The operands the paged gathers (top-k, all) share: block_table s32[R, MB],
+// errors in and out, and the pool's entry leaves [L, N, per_block, ...].
+inline ffi::Error BindPagedPool(const char* pool_name, int64_t kv_format, int64_t per_block,
+                                const ffi::AnyBuffer& block_table, const ffi::AnyBuffer& errors_in,
+                                const ffi::AnyBuffer& errors, const ffi::RemainingArgs& entry_args,
+                                int64_t* R, int64_t* MB, int64_t* L, int64_t* N, EntryPool* pool) {
+  DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
+  *R = block_table.dimensions()[0];
+  *MB = block_table.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckErrorsPair(errors_in, errors));
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
+  std::vector<int64_t> lead = {-1, -1, per_block};
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves(pool_name, kv_format, leaves, &lead, pool));
+  *L = lead[0];
+  *N = lead[1];
+  return ffi::Error::Success();
+}
+
 inline ffi::Error ValidateGatherWindow(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffer slots,
                                        ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors_in,
                                        const ffi::RemainingArgs& entry_args, ffi::AnyBuffer out_kv,
@@ -126,17 +145,9 @@ inline ffi::Error ValidateGatherTopk(int64_t kv_format, ffi::AnyBuffer layer, ff
   DSV4_RETURN_IF_ERROR(CheckBuffer("token_pos", token_pos, ffi::DataType::S32, {a.T}));
   DSV4_RETURN_IF_ERROR(CheckBuffer("indices", indices, ffi::DataType::S32, {a.T, -1}));
   a.K = indices.dimensions()[1];
-  DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
-  a.R = block_table.dimensions()[0];
-  a.MB = block_table.dimensions()[1];
-  DSV4_RETURN_IF_ERROR(CheckErrorsPair(errors_in, errors));
-  std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
   a.per_block = kBlockTokens / kCsaRatio;
-  std::vector<int64_t> lead = {-1, -1, a.per_block};
-  DSV4_RETURN_IF_ERROR(BindEntryLeaves("csa.kv", kv_format, leaves, &lead, &a.pool));
-  a.L = lead[0];
-  a.N = lead[1];
+  DSV4_RETURN_IF_ERROR(BindPagedPool("csa.kv", kv_format, a.per_block, block_table, errors_in,
+                                     errors, entry_args, &a.R, &a.MB, &a.L, &a.N, &a.pool));
   DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.T, a.K, kHeadDim}));
   DSV4_RETURN_IF_ERROR(CheckBuffer("valid (result)", valid, ffi::DataType::PRED, {a.T, a.K}));
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
@@ -191,23 +202,14 @@ inline ffi::Error ValidateGatherAll(int64_t kv_format, int64_t max_context, ffi:
                                     ffi::AnyBuffer count, ffi::AnyBuffer errors, GatherAllArgs* out) {
   GatherAllArgs a;
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
-  if (max_context <= 0)
-    return ffi::Error::InvalidArgument("max_context: expected > 0, got " +
-                                       std::to_string(max_context));
+  DSV4_RETURN_IF_ERROR(CheckMaxContext(max_context));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
   DSV4_RETURN_IF_ERROR(CheckBuffer("slots", slots, ffi::DataType::S32, {-1}));
   a.B = slots.dimensions()[0];
   DSV4_RETURN_IF_ERROR(CheckBuffer("lengths", lengths, ffi::DataType::S32, {a.B}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
-  a.R = block_table.dimensions()[0];
-  a.MB = block_table.dimensions()[1];
-  DSV4_RETURN_IF_ERROR(CheckErrorsPair(errors_in, errors));
-  std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
-  std::vector<int64_t> lead = {-1, -1, kBlockTokens / kHcaRatio};
-  DSV4_RETURN_IF_ERROR(BindEntryLeaves("hca.kv", kv_format, leaves, &lead, &a.pool));
-  a.L = lead[0];
-  a.N = lead[1];
+  DSV4_RETURN_IF_ERROR(BindPagedPool("hca.kv", kv_format, kBlockTokens / kHcaRatio, block_table,
+                                     errors_in, errors, entry_args, &a.R, &a.MB, &a.L, &a.N,
+                                     &a.pool));
   DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.B, -1, kHeadDim}));
   a.E = out_kv.dimensions()[1];
   DSV4_RETURN_IF_ERROR(CheckBuffer("count (result)", count, ffi::DataType::S32, {a.B}));

@@ -17,6 +17,13 @@ inline ffi::Error CheckKvFormat(int64_t fmt) {
                                      std::to_string(fmt));
 }
 
+inline ffi::Error CheckMaxContext(int64_t max_context) {
+  if (max_context > 0 && max_context % kBlockTokens == 0) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument("max_context: expected a positive multiple of " +
+                                     std::to_string(kBlockTokens) + ", got " +
+                                     std::to_string(max_context));
+}
+
 inline size_t EntryLeafCount(int64_t fmt) { return fmt == kBf16 ? 2 : 3; }
 
 inline ffi::Error CollectLeaves(const ffi::RemainingArgs& args, std::vector<ffi::AnyBuffer>* out) {

@@ -21,6 +21,18 @@ inline std::string DimsToString(ffi::Span<const int64_t> dims) {
   return out.str();
 }
 
+// An expected shape, "*" for an axis of any size.
+inline std::string ExpectedToString(const std::vector<int64_t>& dims) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    out << (i ? ", " : "");
+    if (dims[i] < 0) out << "*"; else out << dims[i];
+  }
+  out << "]";
+  return out.str();
+}
+
 // `expected` may hold -1 for "any size" along that axis.
 inline ffi::Error CheckDims(const char* name, ffi::Span<const int64_t> dims,
                             std::vector<int64_t> expected) {
@@ -29,7 +41,7 @@ inline ffi::Error CheckDims(const char* name, ffi::Span<const int64_t> dims,
     ok = expected[i] < 0 || expected[i] == dims[i];
   if (ok) return ffi::Error::Success();
   return ffi::Error::InvalidArgument(std::string(name) + ": expected shape " +
-                                     DimsToString(expected) + ", got " + DimsToString(dims));
+                                     ExpectedToString(expected) + ", got " + DimsToString(dims));
 }
 
 inline std::string DataTypeName(ffi::DataType t) {
