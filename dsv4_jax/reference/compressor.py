@@ -58,8 +58,8 @@ HADAMARD_SCALE = float(np.float32(1.0 / np.sqrt(C.INDEX_DIM)))
 def rms_norm(x, weight):
     """bf16 [..., d] -> bf16, computed in f32 without rsqrt."""
     xf = x.astype(jnp.float32)
-    var = jnp.sum(xf * xf, axis=-1, keepdims=True) / jnp.float32(x.shape[-1])
-    inv = jnp.float32(1.0) / jnp.sqrt(var + jnp.float32(C.NORM_EPS))
+    var = quant.ieee_div(jnp.sum(xf * xf, axis=-1, keepdims=True), x.shape[-1])
+    inv = quant.ieee_div(1.0, jnp.sqrt(var + jnp.float32(C.NORM_EPS)))
     return ((xf * inv) * weight.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
@@ -166,7 +166,7 @@ def _fold(acc, slot, pos, valid, kv, z, m: int, overlap: bool):
     length = last[s_read] + 1
     closed = used & (seg_entry < length // m)
     s_acc, s_sum = seg_acc[:, ACC_KV], seg_acc[:, ACC_SUM]
-    pooled = jnp.where(s_sum > 0, s_acc / jnp.where(s_sum > 0, s_sum, 1.0), 0.0)
+    pooled = jnp.where(s_sum > 0, quant.ieee_div(s_acc, jnp.where(s_sum > 0, s_sum, 1.0)), 0.0)
     acc = jnp.where(active[:, None, None, None], empty_accumulator(acc.shape, acc.dtype), acc)
     k_new = seg_entry - length // m
     keep = used & (k_new >= 0) & (k_new < nacc)
