@@ -213,7 +213,7 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
     slot = jnp.where(valid, token_slot, 0)
     pos = jnp.where(valid, token_pos, 0)
 
-    def run(comp, kv, score, p, d):
+    def run(comp, kv, score, p):
         z = score + p.ape[pos % m]
         acc, seg_slot, seg_entry, closed, pooled = _fold(
             comp[layer], slot, pos, valid, kv, z, m, overlap=csa)
@@ -221,7 +221,7 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
         comp = comp.at[layer_w].set(acc, mode="drop")
         return comp, seg_slot, seg_entry, closed, keys
 
-    comp, seg_slot, seg_entry, closed, keys = run(pool_state.comp, kv, score, params, C.HEAD_DIM)
+    comp, seg_slot, seg_entry, closed, keys = run(pool_state.comp, kv, score, params)
     kv_pool = _write_pool(pool_state.kv, layer_w, seg_slot, seg_entry, closed, m,
                           state.block_table, quant.quantize_kv(keys, cfg.kv_format))
     if not csa:
@@ -229,7 +229,7 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
         return CacheState(state.block_table, state.swa, state.csa, hca, errors, cfg)
 
     icomp, iseg_slot, iseg_entry, iclosed, ikeys = run(
-        pool_state.icomp, index_kv, index_score, params.index, C.INDEX_DIM)
+        pool_state.icomp, index_kv, index_score, params.index)
     packed, iscale = quant.quantize_mxfp4(hadamard(ikeys))
     index_pool = _write_pool(pool_state.index, layer_w, iseg_slot, iseg_entry, iclosed, m,
                              state.block_table, pool_state.index.__class__(packed, iscale))
