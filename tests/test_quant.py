@@ -169,3 +169,47 @@ def test_mxfp4_nibble_order():
     p = np.asarray(packed)[0]
     assert p[0] == 0x17                                 # element 0 low nibble, element 1 high
     assert p[15] == 0xA0                                # element 31 = -1.0 -> code 0xA, high nibble
+
+
+try:
+    from hypothesis import given, settings, strategies as st
+    from hypothesis.extra import numpy as hnp
+except ImportError:     # pragma: no cover
+    given = None
+
+if given is not None:
+    _finite_bf16 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+    @settings(max_examples=40, deadline=None)
+    @given(hnp.arrays(np.float32, (4, 512), elements=_finite_bf16),
+           st.sampled_from(["ds_fp8", "fp8_token"]))
+    def test_kv_quantizers_any_finite_input(x, fmt):
+        """Arbitrary finite bf16 entries (huge, tiny, subnormal, signed zeros)."""
+        x = x.astype(ml_dtypes.bfloat16)
+        x = np.where(np.isfinite(x.astype(np.float32)), x, ml_dtypes.bfloat16(0))
+        got = _quantize_jit(fmt)(jnp.asarray(x))
+        want = encode_kv(x, fmt)
+        np.testing.assert_array_equal(bits(np.asarray(got.nope)), want["nope"])
+        np.testing.assert_array_equal(bits(np.asarray(got.scale)), want["scale"])
+
+    @settings(max_examples=40, deadline=None)
+    @given(hnp.arrays(np.float32, (4, 128), elements=_finite_bf16))
+    def test_mxfp4_any_finite_input(x):
+        x = x.astype(ml_dtypes.bfloat16)
+        x = np.where(np.isfinite(x.astype(np.float32)), x, ml_dtypes.bfloat16(0))
+        packed, scale = _mxfp4_jit(jnp.asarray(x))
+        want = encode_mxfp4(x)
+        np.testing.assert_array_equal(np.asarray(packed), want["packed"])
+        np.testing.assert_array_equal(bits(np.asarray(scale)), want["scale"])
+
+
+_JITS = {}
+
+
+def _quantize_jit(fmt):
+    if fmt not in _JITS:
+        _JITS[fmt] = jit(lambda a: Q.quantize_kv(a, fmt))
+    return _JITS[fmt]
+
+
+_mxfp4_jit = jit(Q.quantize_mxfp4)

@@ -202,3 +202,46 @@ def test_traced_bad_layer_counts_once_and_changes_nothing(filled):
             if layer == 0 and part == "swa":
                 continue        # layer 0 is a valid window layer: append wrote there
             assert same(getattr(s, part), getattr(state, part)), (layer, part)
+
+
+def test_window_collisions_largest_position_then_later_row():
+    """Several tokens of one call on the same (slot, ring slot): the largest
+    position wins whatever the row order; equal positions: the later row."""
+    rng = np.random.default_rng(3)
+    state = D.init_state(CFG)
+    kv = jnp.asarray(rng.standard_normal((6, 512)), jnp.bfloat16)
+    meta = StepMeta.build(token_slot=np.int32([0, 0, 0, 1, 1, 2]),
+                          token_pos=np.int32([300, 44, 172, 5, 5, 9]),
+                          lengths=np.zeros(R, np.int32))
+    state = jax.jit(lambda s: D.append(s, 2, meta, kv))(state)
+    out, pos = D.gather_window(state, 2, jnp.int32([0, 1, 2]))
+    out, pos = np.asarray(out, np.float32), np.asarray(pos)
+    ref = np.asarray(D.gather_window(
+        jax.jit(lambda s: D.append(s, 2, StepMeta.build(
+            token_slot=np.int32([0, 1, 2]), token_pos=np.int32([300, 5, 9]),
+            lengths=np.zeros(R, np.int32)), kv[jnp.array([0, 4, 5])]))(D.init_state(CFG)),
+        2, jnp.int32([0, 1, 2]))[0], np.float32)
+    assert pos[0, 44] == 300 and pos[1, 5] == 5 and pos[2, 9] == 9
+    assert (pos >= 0).sum() == 3
+    np.testing.assert_array_equal(out, ref)       # rows 0, 4 (the later of the 5s), 5
+
+
+def test_traced_layer_equals_static_layer():
+    """Models that lax.scan over layers pass the layer as a traced int32."""
+    rng = np.random.default_rng(4)
+    csa_p, hca_p = make_params(rng)
+    mgr = D.CacheManager(CFG)
+    a, b = mgr.admit(), mgr.admit()
+    meta = mgr.prepare_step({a: 9, b: 6}, min_tokens=16)
+    x = inputs(rng, meta.num_tokens)
+    base = D.apply_step(D.init_state(CFG), meta)
+
+    def ops(state, layer):
+        s = D.append(state, layer, meta, x["win"])
+        return D.flush(s, layer, meta, x["ckv"], x["csc"], csa_p[1], index_kv=x["ikv"],
+                       index_score=x["isc"])
+
+    static = jax.jit(lambda s: ops(s, 3))(base)
+    traced = jax.jit(ops)(base, jnp.int32(3))
+    assert same(static, traced) and not errs(traced)
+    assert not same(static.csa.kv, base.csa.kv)   # entries were written (9 and 6 tokens)
