@@ -137,7 +137,8 @@ def test_csa_entries(g, mode):
     stats = FlipStats()
     compare_index(stats, {"packed": packed, "scale": raw(scale)},
                   O.encode_mxfp4(O.index_keys(keys)), " golden indexer keys")
-    assert stats.rate() < 1e-2, stats
+    print(f"\n[golden {mode}] indexer keys vs oracle: {stats.summary()}")
+    assert stats.rate() < 1e-3, stats
 
 
 @pytest.mark.parametrize("mode", ["whole", "chunked"])
