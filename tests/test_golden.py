@@ -19,7 +19,6 @@ import pytest
 
 import dsv4_jax as D
 from dsv4_jax import config as C
-from dsv4_jax.meta import StepMeta
 from dsv4_jax.reference import quant as Q
 
 import oracle as O

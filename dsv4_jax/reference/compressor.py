@@ -116,7 +116,6 @@ def _fold(acc, slot, pos, valid, kv, z, m: int, overlap: bool):
     G = coff*T segments are the (slot, entry) groups of the call (unused
     segments have slot R)."""
     R, nacc, _, d = acc.shape
-    T = slot.shape[0]
     entry = pos // m
     if overlap:   # b half -> entry p // m, a half -> entry p // m + 1
         c_slot, c_entry = jnp.concatenate([slot, slot]), jnp.concatenate([entry, entry + 1])
