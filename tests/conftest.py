@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import os
+import sys
+
+# tests import their helpers (oracle, scenario, inplace, ...) as plain modules
+sys.path.insert(0, os.path.dirname(__file__))
 
 # Four CPU devices for the sharding tests; must be set before jax initializes.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")

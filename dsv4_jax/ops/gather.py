@@ -22,6 +22,9 @@ the entry leaves nope, rope[, scale] come last, scale absent for bf16):
   index -1 -> zero row, valid False, no error; index < -1 or not visible ->
   BAD_INDEX; block missing -> MISSING_BLOCK; token slot -1 -> whole row
   invalid, no error; bad slot -> BAD_SLOT; pos < 0 -> BAD_POSITION (once per token).
+  A bad slot or position invalidates the whole row without examining its
+  indices. An index past the block table (i >= MB * 32, only reachable when
+  pos >= max_context, which is not itself an error here) -> BAD_INDEX.
 "dsv4_gather_all"
   attrs  kv_format, max_context
   args   layer i32[] (HCA index), slots i32[B], lengths i32[B], block_table,

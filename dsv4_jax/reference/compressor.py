@@ -58,8 +58,8 @@ HADAMARD_SCALE = float(np.float32(1.0 / np.sqrt(C.INDEX_DIM)))
 def rms_norm(x, weight):
     """bf16 [..., d] -> bf16, computed in f32 without rsqrt."""
     xf = x.astype(jnp.float32)
-    var = jnp.sum(xf * xf, axis=-1, keepdims=True) / jnp.float32(x.shape[-1])
-    inv = jnp.float32(1.0) / jnp.sqrt(var + jnp.float32(C.NORM_EPS))
+    var = quant.ieee_div(jnp.sum(xf * xf, axis=-1, keepdims=True), x.shape[-1])
+    inv = quant.ieee_div(1.0, jnp.sqrt(var + jnp.float32(C.NORM_EPS)))
     return ((xf * inv) * weight.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
@@ -116,7 +116,6 @@ def _fold(acc, slot, pos, valid, kv, z, m: int, overlap: bool):
     G = coff*T segments are the (slot, entry) groups of the call (unused
     segments have slot R)."""
     R, nacc, _, d = acc.shape
-    T = slot.shape[0]
     entry = pos // m
     if overlap:   # b half -> entry p // m, a half -> entry p // m + 1
         c_slot, c_entry = jnp.concatenate([slot, slot]), jnp.concatenate([entry, entry + 1])
@@ -166,7 +165,7 @@ def _fold(acc, slot, pos, valid, kv, z, m: int, overlap: bool):
     length = last[s_read] + 1
     closed = used & (seg_entry < length // m)
     s_acc, s_sum = seg_acc[:, ACC_KV], seg_acc[:, ACC_SUM]
-    pooled = jnp.where(s_sum > 0, s_acc / jnp.where(s_sum > 0, s_sum, 1.0), 0.0)
+    pooled = jnp.where(s_sum > 0, quant.ieee_div(s_acc, jnp.where(s_sum > 0, s_sum, 1.0)), 0.0)
     acc = jnp.where(active[:, None, None, None], empty_accumulator(acc.shape, acc.dtype), acc)
     k_new = seg_entry - length // m
     keep = used & (k_new >= 0) & (k_new < nacc)
@@ -213,7 +212,7 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
     slot = jnp.where(valid, token_slot, 0)
     pos = jnp.where(valid, token_pos, 0)
 
-    def run(comp, kv, score, p, d):
+    def run(comp, kv, score, p):
         z = score + p.ape[pos % m]
         acc, seg_slot, seg_entry, closed, pooled = _fold(
             comp[layer], slot, pos, valid, kv, z, m, overlap=csa)
@@ -221,7 +220,7 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
         comp = comp.at[layer_w].set(acc, mode="drop")
         return comp, seg_slot, seg_entry, closed, keys
 
-    comp, seg_slot, seg_entry, closed, keys = run(pool_state.comp, kv, score, params, C.HEAD_DIM)
+    comp, seg_slot, seg_entry, closed, keys = run(pool_state.comp, kv, score, params)
     kv_pool = _write_pool(pool_state.kv, layer_w, seg_slot, seg_entry, closed, m,
                           state.block_table, quant.quantize_kv(keys, cfg.kv_format))
     if not csa:
@@ -229,7 +228,7 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
         return CacheState(state.block_table, state.swa, state.csa, hca, errors, cfg)
 
     icomp, iseg_slot, iseg_entry, iclosed, ikeys = run(
-        pool_state.icomp, index_kv, index_score, params.index, C.INDEX_DIM)
+        pool_state.icomp, index_kv, index_score, params.index)
     packed, iscale = quant.quantize_mxfp4(hadamard(ikeys))
     index_pool = _write_pool(pool_state.index, layer_w, iseg_slot, iseg_entry, iclosed, m,
                              state.block_table, pool_state.index.__class__(packed, iscale))

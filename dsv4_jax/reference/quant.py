@@ -52,6 +52,16 @@ E2M1_MAX = 6.0
 MXFP4_AMAX_FLOOR = float(np.float32(6.0 * 2.0 ** -126))
 
 
+def ieee_div(a, b):
+    """a / b rounded once, as IEEE division. XLA's algebraic simplifier turns a
+    division by a broadcast or a constant into a multiplication by the
+    reciprocal (two roundings); an optimization barrier on the broadcast
+    divisor keeps the true division, which the C++/CUDA kernels reproduce."""
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), jnp.broadcast_shapes(a.shape, jnp.shape(b)))
+    return a / jax.lax.optimization_barrier(b)
+
+
 def _bits(x):
     return jax.lax.bitcast_convert_type(x.astype(jnp.float32), _U32)
 
@@ -129,15 +139,15 @@ def quantize_kv(x, kv_format: str) -> KVEntries:
     if kv_format == "ds_fp8":
         tiles = xf.reshape(xf.shape[:-1] + (C.NOPE_TILES, C.NOPE_TILE))
         amax = jnp.maximum(jnp.max(jnp.abs(tiles), axis=-1), jnp.float32(FP8_AMAX_FLOOR))
-        e = pow2_ceil_exponent(amax / jnp.float32(FP8_MAX))
+        e = pow2_ceil_exponent(ieee_div(amax, FP8_MAX))
         s = exponent_to_f32(e)
-        codes = e4m3_codes(tiles / s[..., None]).reshape(xf.shape)
+        codes = e4m3_codes(ieee_div(tiles, s[..., None])).reshape(xf.shape)
         return KVEntries(e4m3_from_codes(codes), rope, e8m0_from_bytes(e))
     if kv_format == "fp8_token":
         amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True),
                            jnp.float32(FP8_AMAX_FLOOR))
-        s = amax / jnp.float32(FP8_MAX)
-        return KVEntries(e4m3_from_codes(e4m3_codes(xf / s)), rope, s)
+        s = ieee_div(amax, FP8_MAX)
+        return KVEntries(e4m3_from_codes(e4m3_codes(ieee_div(xf, s))), rope, s)
     raise ValueError(f"kv_format: unknown {kv_format!r}")
 
 
@@ -163,8 +173,8 @@ def quantize_mxfp4(x):
     xf = x.astype(jnp.bfloat16).astype(jnp.float32)
     blocks = xf.reshape(xf.shape[:-1] + (C.INDEX_SCALES, C.MXFP4_BLOCK))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(MXFP4_AMAX_FLOOR))
-    e = pow2_ceil_exponent(amax / jnp.float32(E2M1_MAX))
-    codes = e2m1_codes(blocks / exponent_to_f32(e)[..., None]).reshape(xf.shape)
+    e = pow2_ceil_exponent(ieee_div(amax, E2M1_MAX))
+    codes = e2m1_codes(ieee_div(blocks, exponent_to_f32(e)[..., None])).reshape(xf.shape)
     pairs = codes.reshape(codes.shape[:-1] + (C.INDEX_PACKED, 2))
     packed = pairs[..., 0] | (pairs[..., 1] << 4)
     return packed.astype(jnp.uint8), e8m0_from_bytes(e)
