@@ -31,3 +31,14 @@ def layer_operand(config: CacheConfig, layer, kind: str | None) -> jax.Array:
         return jnp.where((layer >= 0) & (layer < n), layer, -1)
     table = jnp.asarray(np.asarray(config.kind_index_table(kind), np.int32))
     return jnp.where((layer >= 0) & (layer < n), table[jnp.clip(layer, 0, n - 1)], -1)
+
+
+def traced_layer(layer) -> list:
+    """Operands that carry `layer` into a shard_map body: none for a Python
+    int (it stays static), the scalar itself otherwise."""
+    return [] if isinstance(layer, (int, np.integer)) else [layer]
+
+
+def pick_layer(layer, carried):
+    """Inside a shard_map body: the layer, static or carried in."""
+    return carried[0] if carried else layer

@@ -21,7 +21,8 @@ from .. import reference
 from ..meta import StepMeta
 from ..state import CacheState
 from ._dispatch import check_array, check_state, ffi_in_place, resolve_impl
-from ._layer import layer_operand
+from ._layer import layer_operand, pick_layer, traced_layer
+from ..sharding import run_sharded
 
 TARGET = "dsv4_append"
 
@@ -33,7 +34,10 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     check_state(state)
     cfg = state.config
     meta.check(cfg)
-    check_array("kv", kv, (meta.num_tokens, C.HEAD_DIM), jnp.bfloat16)
+    check_array("kv", kv, (meta.num_tokens * cfg.num_shards, C.HEAD_DIM), jnp.bfloat16)
+    if cfg.sharded:
+        return run_sharded(lambda st, m, x, *lay: append(st, pick_layer(layer, lay), m, x, impl=impl),
+                           state, [meta, kv], traced_layer(layer), "state")
     layer_idx = layer_operand(cfg, layer, None)
     impl = resolve_impl(impl, TARGET, [state.swa.pos])
     if impl == "reference":

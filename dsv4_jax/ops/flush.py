@@ -38,7 +38,8 @@ from ..meta import StepMeta
 from ..params import CompressorParams
 from ..state import CacheState
 from ._dispatch import check_array, check_state, ffi_in_place, resolve_impl
-from ._layer import layer_operand
+from ._layer import layer_operand, pick_layer, traced_layer
+from ..sharding import run_sharded
 
 TARGETS = {C.CSA: "dsv4_flush_csa", C.HCA: "dsv4_flush_hca"}
 _FLOATS = (jnp.float32, jnp.bfloat16)
@@ -80,7 +81,7 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
                          f"for a traced layer, got {kv.shape[-1]}")
     coff = 2 if kind == C.CSA else 1
     m = C.CSA_RATIO if kind == C.CSA else C.HCA_RATIO
-    T = meta.num_tokens
+    T = meta.num_tokens * cfg.num_shards
     check_array("kv", kv, (T, coff * C.HEAD_DIM), _FLOATS)
     check_array("score", score, (T, coff * C.HEAD_DIM), _FLOATS)
     _check_params("params", params, m, coff * C.HEAD_DIM, C.HEAD_DIM)
@@ -95,6 +96,18 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
         index_kv, index_score = index_kv.astype(jnp.float32), index_score.astype(jnp.float32)
     elif index_kv is not None or index_score is not None:
         raise ValueError("index_kv: HCA layers have no indexer; pass None")
+    if cfg.sharded:   # rows of every per-token operand split by shard, params whole
+        rows = [meta, kv, score] + ([index_kv, index_score] if kind == C.CSA else [])
+        lay = traced_layer(layer)
+
+        n_index = 2 if kind == C.CSA else 0
+
+        def body(st, m, x, z, *rest):
+            ix, iz = rest[:2] if n_index else (None, None)
+            p, carried = rest[n_index], rest[n_index + 1:]
+            return flush(st, pick_layer(layer, carried), m, x, z, p, index_kv=ix,
+                         index_score=iz, impl=impl)
+        return run_sharded(body, state, rows, [params, *lay], "state")
     layer_idx = layer_operand(cfg, layer, kind)
     target = TARGETS[kind]
     impl = resolve_impl(impl, target, [state.block_table])

@@ -43,9 +43,21 @@ from .. import config as C
 from .. import reference
 from ..state import CacheState
 from ._dispatch import check_array, check_state, ffi_call, resolve_impl
-from ._layer import layer_operand
+from ._layer import layer_operand, pick_layer, traced_layer
+from ..sharding import run_sharded
 
 _I32 = jnp.int32
+
+
+def _sharded(fn, state, layer, rows, return_state, n_out=2):
+    """Run a gather per shard: `rows` split by shard, outputs likewise."""
+    lay = traced_layer(layer)
+
+    def body(st, *args):
+        out = fn(st, pick_layer(layer, args[len(rows):]), *args[:len(rows)])
+        return out
+    outs = ("rows",) * n_out + (("state",) if return_state else ())
+    return run_sharded(body, state, rows, lay, outs)
 
 
 def _finish(state, outputs, errors, return_state):
@@ -62,6 +74,10 @@ def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "au
     check_state(state)
     cfg = state.config
     check_array("slots", slots, (None,), _I32)
+    if cfg.sharded:
+        return _sharded(lambda st, lay, sl: gather_window(st, lay, sl, impl=impl,
+                                                          return_state=return_state),
+                        state, layer, [slots], return_state)
     layer_idx = layer_operand(cfg, layer, None)
     target = "dsv4_gather_window"
     impl = resolve_impl(impl, target, [state.swa.pos])
@@ -89,6 +105,10 @@ def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.
     T = token_slot.shape[0]
     check_array("token_pos", token_pos, (T,), _I32)
     check_array("indices", indices, (T, None), _I32)
+    if cfg.sharded:
+        return _sharded(lambda st, lay, s, p, i: gather_topk(st, lay, s, p, i, impl=impl,
+                                                             return_state=return_state),
+                        state, layer, [token_slot, token_pos, indices], return_state)
     layer_idx = layer_operand(cfg, layer, C.CSA)
     target = "dsv4_gather_topk"
     impl = resolve_impl(impl, target, [state.block_table])
@@ -117,6 +137,10 @@ def gather_all(state: CacheState, layer, slots: jax.Array, lengths: jax.Array,
     check_array("lengths", lengths, (B,), _I32)
     if not isinstance(max_entries, int) or max_entries <= 0:
         raise ValueError(f"max_entries: expected a positive int, got {max_entries!r}")
+    if cfg.sharded:
+        return _sharded(lambda st, lay, s, n: gather_all(st, lay, s, n, max_entries, impl=impl,
+                                                         return_state=return_state),
+                        state, layer, [slots, lengths], return_state)
     layer_idx = layer_operand(cfg, layer, C.HCA)
     target = "dsv4_gather_all"
     impl = resolve_impl(impl, target, [state.block_table])
