@@ -42,9 +42,23 @@ class StepMeta:
             start += n
         raise KeyError(field)
 
+    @property
+    def packed_size(self) -> int:
+        """int32s of one shard's packed metadata."""
+        return (2 * self.num_tokens + self.num_requests + 3 * self.num_new_blocks
+                + self.num_resets)
+
+    @property
+    def num_shards(self) -> int:
+        return max(1, self.data.shape[0] // max(self.packed_size, 1))
+
     def _get(self, field):
+        """The field; for sharded metadata every shard's rows, shard by shard
+        (the layout sharded ops expect for their per-token operands)."""
         start, n = self._span(field)
-        return self.data[start:start + n]
+        if self.num_shards == 1:
+            return self.data[start:start + n]
+        return self.data.reshape(self.num_shards, self.packed_size)[:, start:start + n].reshape(-1)
 
     @property
     def token_slot(self):
@@ -60,7 +74,7 @@ class StepMeta:
 
     @property
     def new_blocks(self):
-        return self._get("new_blocks").reshape(self.num_new_blocks, 3)
+        return self._get("new_blocks").reshape(-1, 3)
 
     @property
     def reset_slots(self):
@@ -93,8 +107,7 @@ class StepMeta:
         For a sharded config the sizes are per shard and `data` holds one
         packed array per shard, shard after shard."""
         local = config.local()
-        expect = (self.num_tokens * 2 + self.num_requests + 3 * self.num_new_blocks
-                  + self.num_resets) * config.num_shards
+        expect = self.packed_size * config.num_shards
         if tuple(self.data.shape) != (expect,):
             raise ValueError(f"meta.data: expected shape ({expect},), got {tuple(self.data.shape)}")
         if self.data.dtype != jnp.int32:

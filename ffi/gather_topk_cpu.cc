@@ -39,12 +39,13 @@ ffi::Error GatherTopkImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffe
     for (int64_t j = 0; j < a.K; ++j) {
       int64_t i = a.indices[t * a.K + j];
       if (i == -1) continue;
-      if (i < -1 || i >= visible) {
+      // Past the block table counts as a bad index, not a missing block.
+      if (i < -1 || i >= visible || i >= a.MB * a.per_block) {
         ++a.errors[kBadIndex];
         continue;
       }
       int64_t logical = i / a.per_block;
-      int64_t block = logical < a.MB ? a.block_table[s * a.MB + logical] : -1;
+      int64_t block = a.block_table[s * a.MB + logical];
       if (block < 0 || block >= a.N) {
         ++a.errors[kMissingBlock];
         continue;

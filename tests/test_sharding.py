@@ -117,3 +117,74 @@ def test_admission_balances_shards():
     assert sorted(shards) == [0, 0, 1, 1, 2, 2, 3, 3]
     with pytest.raises(ValueError, match="multiple of num_shards"):
         shard_config(CacheConfig.tiny(max_requests=6), mesh, "data")
+
+
+def test_sharded_workload_equals_each_shard_run_alone():
+    """apply_step + append + flush on every layer, then every gather, on 4
+    shards; each shard's slice equals the same requests run unsharded, the
+    compiled step has no collectives and keeps the pools in place."""
+    from scenario import layer_params, read_step, step_inputs, write_step
+    mesh = mesh_of(4)
+    n = 4
+    cfg = shard_config(CacheConfig.tiny(max_requests=8, num_blocks=32), mesh, "data")
+    local = cfg.local()
+    params = layer_params(cfg, seed=3)
+    manager = ShardedCacheManager(cfg)
+    singles = [CacheManager(local, shard=k) for k in range(n)]
+    refs = [init_state(local) for _ in range(n)]
+    state = init_sharded_state(cfg, mesh)
+    rng = np.random.default_rng(5)
+    write = jax.jit(lambda s, m, x: write_step(s, m, x, params, "auto"), donate_argnums=0)
+    read = jax.jit(lambda s, m, q: read_step(s, m, q, "auto"))
+    for step in range(4):
+        for _ in range(3 if step == 0 else 0):
+            for _ in range(2):
+                rid = manager.admit()
+                singles[manager.shard_of(rid)].admit(rid)
+        tokens = {r: (int(rng.integers(60, 200)) if step < 2 else 1)
+                  for r in manager._shard_of}
+        meta = manager.prepare_step(tokens)
+        T = manager.tokens_per_shard
+        inputs = step_inputs(cfg, n * T, rng)
+        # per-shard slots for the gathers, padded with -1 to a common count
+        per = [[manager.slot_of(r) for r in manager.shards[k].requests] for k in range(n)]
+        width = max(len(p) for p in per) + 1
+        slots = np.full((n, width), -1, np.int32)
+        lengths = np.zeros((n, width), np.int32)
+        for k in range(n):
+            slots[k, :len(per[k])] = per[k]
+            lengths[k, :len(per[k])] = [manager.shards[k].length_of(r)
+                                        for r in manager.shards[k].requests]
+        topk = rng.integers(-1, 40, (n * T, 8)).astype(np.int32)
+        queries = {"slots": jax.numpy.asarray(slots.reshape(-1)),
+                   "lengths": jax.numpy.asarray(lengths.reshape(-1)),
+                   "topk": jax.numpy.asarray(topk)}
+        with jax.set_mesh(mesh):
+            if step == 0:
+                hlo = compiled_text(write, state, meta, inputs)
+                found = [c for c in COLLECTIVES if c in hlo]
+                assert not found, f"collectives in a sharded step: {found}"
+                state = assert_in_place(write, state, meta, inputs)
+            else:
+                state = write(state, meta, inputs)
+            got = read(state, meta, queries)
+        for k in range(n):
+            rows = slice(k * T, (k + 1) * T)
+            m = singles[k].prepare_step({r: t for r, t in tokens.items()
+                                         if manager.shard_of(r) == k},
+                                        min_tokens=T, min_new_blocks=meta.num_new_blocks,
+                                        min_resets=meta.num_resets)
+            x = jax.tree_util.tree_map(lambda a: a[rows], inputs)
+            refs[k] = write_step(refs[k], m, x, params, "auto")
+            q = {"slots": jax.numpy.asarray(slots[k]), "lengths": jax.numpy.asarray(lengths[k]),
+                 "topk": jax.numpy.asarray(topk[rows])}
+            want = read_step(refs[k], m, q, "auto")
+            for key in want:
+                for a, b in zip(jax.tree_util.tree_leaves(got[key][:2]),
+                                jax.tree_util.tree_leaves(want[key][:2])):
+                    size = a.shape[0] // n
+                    np.testing.assert_array_equal(
+                        np.asarray(a)[k * size:(k + 1) * size].view(np.uint8),
+                        np.asarray(b).view(np.uint8), err_msg=f"step {step} shard {k} {key}")
+    for k, got_state in enumerate(unshard(state, cfg)):
+        assert_trees_bytes_equal(got_state, refs[k], f"shard {k}: ")
