@@ -9,6 +9,7 @@ from .errors import CacheInputError, ErrorKind, check_errors
 from .manager import CacheFullError, CacheManager
 from .memory import memory_report
 from .meta import StepMeta
+from .ops._dispatch import default_impl
 from .ops.append import append
 from .ops.apply_step import apply_step
 from .ops.flush import flush
@@ -20,6 +21,6 @@ __all__ = [
     "CacheConfig", "CacheState", "KVEntries", "IndexerKeys", "WindowState", "CSAState",
     "HCAState", "init_state", "StepMeta", "CacheManager", "CacheFullError", "CacheInputError",
     "ErrorKind", "check_errors", "memory_report", "CompressorParams", "yarn_inv_freq",
-    "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
+    "default_impl", "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
 ]
 __version__ = "0.1.0"

@@ -63,3 +63,15 @@ def poison(tree, seed=0):
             vals.view(np.uint8).reshape(*x.shape, -1)[nan] = 0xA5
         return jax.numpy.asarray(vals)
     return jax.tree_util.tree_map(fill, tree)
+
+
+@pytest.fixture(params=["reference", pytest.param("cpu", marks=requires_cpu_ffi),
+                        pytest.param("cuda", marks=CUDA)])
+def impl_under_test(request):
+    """Runs a test once per implementation, as what impl="auto" resolves to.
+    Jit caches are cleared around it so no trace of another impl is reused."""
+    import dsv4_jax
+    jax.clear_caches()
+    with dsv4_jax.default_impl(request.param):
+        yield request.param
+    jax.clear_caches()

@@ -24,6 +24,9 @@ from dsv4_jax.reference import quant as Q
 import oracle as O
 from harness import FlipStats, compare_index, raw
 
+# every test here runs once per implementation (reference, CPU FFI, CUDA)
+pytestmark = pytest.mark.usefixtures("impl_under_test")
+
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "hf_dsv4_compressor.npz")
 TOL = 1e-2
 

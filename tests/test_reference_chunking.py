@@ -11,6 +11,9 @@ import pytest
 
 from harness import Harness
 
+# every test here runs once per implementation (reference, CPU FFI, CUDA)
+pytestmark = pytest.mark.usefixtures("impl_under_test")
+
 MAX_FLIP_RATE = 1e-3
 
 

@@ -16,6 +16,9 @@ from dsv4_jax.meta import StepMeta
 
 from harness import make_params, raw
 
+# every test here runs once per implementation (reference, CPU FFI, CUDA)
+pytestmark = pytest.mark.usefixtures("impl_under_test")
+
 CFG = C.CacheConfig.tiny()          # R 4, MB 4 (512 tokens), N 16
 R, MB, N = CFG.max_requests, CFG.max_blocks_per_request, CFG.num_blocks
 

@@ -2,6 +2,8 @@
 target in place, and trace-time argument checks."""
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Sequence
 
 import jax
@@ -11,6 +13,27 @@ import numpy as np
 from .. import _ffi
 
 IMPLS = ("auto", "reference", "cpu", "cuda")
+
+# What impl="auto" means; DSV4_JAX_IMPL=reference forces the jnp path everywhere
+# (parity and debugging runs) without touching the model code.
+_default_impl = os.environ.get("DSV4_JAX_IMPL", "auto")
+if _default_impl not in IMPLS:
+    raise ValueError(f"DSV4_JAX_IMPL: expected one of {IMPLS}, got {_default_impl!r}")
+
+
+@contextlib.contextmanager
+def default_impl(impl: str):
+    """Within the block, ops called with impl="auto" use `impl` instead.
+    It is read when a function is traced: clear jit caches (jax.clear_caches())
+    or use fresh functions when switching between already-traced calls."""
+    global _default_impl
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    saved, _default_impl = _default_impl, impl
+    try:
+        yield
+    finally:
+        _default_impl = saved
 
 
 def _platform_of(arrays) -> str:
@@ -30,6 +53,8 @@ def resolve_impl(impl: str, target: str, arrays: Sequence = ()) -> str:
     arrays' platform when it was built, else the jnp reference."""
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = _default_impl
     if impl == "reference":
         return impl
     platform = _platform_of(arrays)
