@@ -213,3 +213,28 @@ def _quantize_jit(fmt):
 
 
 _mxfp4_jit = jit(Q.quantize_mxfp4)
+
+
+def test_subnormal_inputs_are_not_flushed_to_zero():
+    """XLA on the CPU treats subnormal float inputs as zero; the quantizers
+    must not (C++/CUDA and DESIGN §4 keep them). With MXFP4's amax floor of
+    6 * 2^-126 the scale is 2^-126, so a bf16 subnormal of 0.9 * 2^-126 is
+    code 1.0, not 0. Found by hypothesis in a CI run."""
+    rng = np.random.default_rng(11)
+    tiny = np.float32(2.0 ** -126)
+    x = rng.uniform(0.05, 0.99, (8, 128)).astype(np.float32) * tiny
+    x *= rng.choice([-1, 1], x.shape)
+    x[0] = 0.92 * tiny                        # the case hypothesis found
+    x = x.astype(ml_dtypes.bfloat16)
+    assert np.all(np.abs(x.astype(np.float32)) < tiny)      # really subnormal
+    packed, scale = _mxfp4_jit(jnp.asarray(x))
+    want = encode_mxfp4(x)
+    np.testing.assert_array_equal(np.asarray(packed), want["packed"])
+    np.testing.assert_array_equal(bits(np.asarray(scale)), bits(want["scale"]))
+    assert np.any(np.asarray(packed) & 0x7)   # non-zero codes exist
+    for fmt in ("ds_fp8", "fp8_token"):        # e4m3 codes of such values are +-0
+        entry = np.zeros((8, 512), ml_dtypes.bfloat16)
+        entry[:, :128] = x
+        got = _quantize_jit(fmt)(jnp.asarray(entry))
+        ref = encode_kv(entry, fmt)
+        np.testing.assert_array_equal(bits(np.asarray(got.nope)), bits(ref["nope"]))

@@ -79,6 +79,30 @@ def exponent_to_f32(e):
     return jax.lax.bitcast_convert_type(e.astype(_U32) << 23, jnp.float32)
 
 
+def divide_by_pow2(x, e):
+    """x / 2^(e-127) for f32 x and int32 biased exponents e (broadcast), exact,
+    by exponent arithmetic on the bits. XLA on the CPU treats subnormal inputs
+    of float ops as zero; the C++/CUDA code and DESIGN §4 do not, and MXFP4's
+    amax floor (6 * 2^-126) makes scales small enough for that to matter.
+    A quotient below 2^-126 becomes a signed zero: it rounds to code 0 in both
+    e4m3 (smallest step 2^-9) and e2m1."""
+    b = _bits(x)
+    sign = b & jnp.uint32(0x80000000)
+    exp = ((b >> 23) & 0xFF).astype(jnp.int32)
+    mant = b & jnp.uint32(0x7FFFFF)
+    shift = e - 127
+    # normal x: subtract the scale's exponent
+    new_exp = exp - shift
+    normal = jnp.where(new_exp >= 1, sign | (new_exp.astype(_U32) << 23) | mant, sign)
+    # subnormal x = mant * 2^-149: float(mant) (exact) times 2^(-149 - shift)
+    p = -149 - shift + 127
+    pow2 = jax.lax.bitcast_convert_type(jnp.clip(p, 1, 254).astype(_U32) << 23, jnp.float32)
+    tiny = mant.astype(jnp.float32) * pow2
+    tiny = jnp.where(p >= 1, _bits(tiny), jnp.uint32(0)) | sign
+    out = jnp.where(exp == 0, tiny, jnp.where(exp == 255, b, normal))
+    return jax.lax.bitcast_convert_type(out, jnp.float32)
+
+
 def e8m0_from_bytes(b):
     return jax.lax.bitcast_convert_type(b.astype(jnp.uint8), E8M0)
 
@@ -140,8 +164,7 @@ def quantize_kv(x, kv_format: str) -> KVEntries:
         tiles = xf.reshape(xf.shape[:-1] + (C.NOPE_TILES, C.NOPE_TILE))
         amax = jnp.maximum(jnp.max(jnp.abs(tiles), axis=-1), jnp.float32(FP8_AMAX_FLOOR))
         e = pow2_ceil_exponent(ieee_div(amax, FP8_MAX))
-        s = exponent_to_f32(e)
-        codes = e4m3_codes(ieee_div(tiles, s[..., None])).reshape(xf.shape)
+        codes = e4m3_codes(divide_by_pow2(tiles, e[..., None])).reshape(xf.shape)
         return KVEntries(e4m3_from_codes(codes), rope, e8m0_from_bytes(e))
     if kv_format == "fp8_token":
         amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True),
@@ -174,7 +197,7 @@ def quantize_mxfp4(x):
     blocks = xf.reshape(xf.shape[:-1] + (C.INDEX_SCALES, C.MXFP4_BLOCK))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(MXFP4_AMAX_FLOOR))
     e = pow2_ceil_exponent(ieee_div(amax, E2M1_MAX))
-    codes = e2m1_codes(ieee_div(blocks, exponent_to_f32(e)[..., None])).reshape(xf.shape)
+    codes = e2m1_codes(divide_by_pow2(blocks, e[..., None])).reshape(xf.shape)
     pairs = codes.reshape(codes.shape[:-1] + (C.INDEX_PACKED, 2))
     packed = pairs[..., 0] | (pairs[..., 1] << 4)
     return packed.astype(jnp.uint8), e8m0_from_bytes(e)
