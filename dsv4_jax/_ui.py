@@ -54,7 +54,7 @@ class UI:
 
         def fmt(row):
             return "  ".join(v.rjust(w) if numeric and i else v.ljust(w)
-                             for i, (v, w) in enumerate(zip(row, widths)))
+                             for i, (v, w) in enumerate(zip(row, widths))).rstrip()
         self.line(title)
         self.line(fmt(columns))
         self.line("  ".join("-" * w for w in widths))

@@ -1,0 +1,95 @@
+"""`python -m dsv4_jax`: the demo checks its cache and can fail; plan prints
+the numbers of memory_report."""
+import json
+import math
+import re
+
+import pytest
+
+from dsv4_jax import CacheConfig, memory_report
+from dsv4_jax.cli import main
+
+# Small enough for a 2-core CI machine: 2 requests, 3 prefill steps, 4 decode steps.
+SMALL = ["--plain", "--model", "tiny", "--requests", "2", "--context", "256", "--steps", "4",
+         "--chunk", "96"]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_demo_passes_and_reports(capsys):
+    code, out = run_cli(capsys, "demo", *SMALL)
+    assert code == 0, out
+    verdict = re.search(r"check against the reference: (PASS|FAIL) \((.*)\)", out)
+    assert verdict and verdict.group(1) == "PASS", out
+    # the throughput table has both phases with the tokens the schedule implies
+    prompts = [int(n) for n in re.search(r"prompts \[([\d, ]+)\]", out).group(1).split(", ")]
+    assert re.search(rf"^prefill\s+{math.ceil(max(prompts) / 96)}\s+{sum(prompts):,}\s", out, re.M), out
+    assert re.search(r"^decode\s+4\s+8\s", out, re.M), out
+    # entries emitted: every request holds its prompt plus 4 decoded tokens
+    lengths = [p + 4 for p in prompts]
+    csa = sum(n // 4 for n in lengths) * 2          # tiny: two CSA layers
+    hca = sum(n // 128 for n in lengths)            # and one HCA layer
+    assert re.search(rf"CSA entries emitted \(all CSA layers\)\s+{csa:,}$", out, re.M), out
+    assert re.search(rf"HCA entries emitted \(all HCA layers\)\s+{hca:,}$", out, re.M), out
+
+
+def test_demo_fails_on_a_corrupted_cache(capsys):
+    code, out = run_cli(capsys, "demo", *SMALL, "--corrupt-at-step", "1")
+    assert code == 1, out
+    assert "check against the reference: FAIL" in out and "PASS" not in out, out
+    assert "csa.kv.nope" in out, out     # names the pool that differs
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "300", "--context", "256"], "--steps"),
+    (["--requests", "0"], "--requests"),
+    (["--kv-format", "fp4"], "--kv-format"),
+    (["--corrupt-at-step", "999"], "--corrupt-at-step"),
+])
+def test_demo_rejects_bad_options(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--plain", "--model", "tiny", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model, context, requests, kv_format, layers", [
+    ("flash", 1 << 20, 2, "ds_fp8", 43), ("pro", 65536, 8, "bf16", 61)])
+def test_plan_numbers_equal_memory_report(capsys, tmp_path, model, context, requests,
+                                          kv_format, layers):
+    path = tmp_path / "plan.json"
+    code, out = run_cli(capsys, "plan", "--plain", "--model", model, "--context", str(context),
+                        "--requests", str(requests), "--kv-format", kv_format,
+                        "--gpu-memory", "80", "--json", str(path))
+    assert code == 0
+    got = json.loads(path.read_text())
+    cfg = getattr(CacheConfig, model)(max_requests=requests, max_context=context,
+                                      kv_format=kv_format)
+    rep = memory_report(cfg)
+    assert got["pools"] == rep.pools and got["total"] == rep.total
+    assert got["by_kind"] == rep.by_kind and got["per_token"] == rep.per_token
+    # The whole state is `requests` requests at full context plus the error
+    # counters: one request's share must come out the same.
+    errors = rep.pools["errors"]
+    assert got["per_request"] * requests == rep.total - errors
+    assert got["blocks_per_request"] == context // 128
+    assert got["blocks_total"] == cfg.num_blocks == requests * context // 128
+    assert got["mla_per_request"] == 656 * layers * context
+    assert got["fit_requests"] == (80 << 30) // got["per_request"]
+    assert got["fit_requests_mla"] == (80 << 30) // (656 * layers * context)
+    # the printed tables carry the same numbers
+    for name, b in rep.pools.items():
+        assert re.search(rf"^{re.escape(name)}\s+{b:,}\s", out, re.M), name
+    assert re.search(rf"^total\s+{rep.total:,}\s", out, re.M)
+    assert f"{got['per_request']:,} B" in out and f"{rep.per_token:,.2f} B" in out
+
+
+def test_plan_rejects_bad_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--context", "-5"])
+    assert e.value.code == 2 and "--context" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--gpu-memory", "nan"])
