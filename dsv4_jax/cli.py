@@ -103,7 +103,10 @@ def cmd_demo(args, parser) -> int:
     if args.corrupt_at_step is not None and args.corrupt_at_step >= len(plan):
         parser.error(f"--corrupt-at-step: expected a step < {len(plan)}, got {args.corrupt_at_step}")
     from .ops._dispatch import resolve_impl
-    impl = resolve_impl(args.impl, "dsv4_flush_csa")
+    try:
+        impl = resolve_impl(args.impl, "dsv4_flush_csa")
+    except ValueError as e:
+        parser.error(f"--impl: {e}")
     ui.line(f"dsv4_jax demo: model {cfg.model} ({cfg.num_layers} layers: {len(cfg.layers_of(C.SWA))} "
             f"SWA, {cfg.num_csa} CSA, {cfg.num_hca} HCA), kv_format {cfg.kv_format}, "
             f"backend {jax.default_backend()}, ops: {impl}")
@@ -244,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plain-text output even when rich is installed")
     sub = parser.add_subparsers(dest="command", metavar="{demo,plan,bench,info}")
 
-    p = sub.add_parser("demo", parents=[common], help=cmd_demo.__doc__.split("\n")[0],
+    p = sub.add_parser("demo", parents=[common], help="run a checked decode loop (default)",
                        description=cmd_demo.__doc__)
     p.add_argument("--model", choices=sorted(_PRESETS),
                    help="layer pattern (default: tiny on the CPU, flash on a GPU)")
@@ -262,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("plan", parents=[common], help=cmd_plan.__doc__.split("\n")[0],
+    p = sub.add_parser("plan", parents=[common], help="memory plan of a model, context and batch",
                        description=cmd_plan.__doc__)
     p.add_argument("--model", choices=sorted(_PRESETS), default="flash")
     p.add_argument("--context", type=_positive_int, default=65536, help="tokens per request")
@@ -273,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     p.set_defaults(fn=cmd_plan)
 
-    p = sub.add_parser("bench", parents=[common], help=cmd_bench.__doc__.split("\n")[0],
+    p = sub.add_parser("bench", parents=[common], help="time the ops: table, JSON, plot",
                        description=cmd_bench.__doc__)
     p.add_argument("--json", metavar="PATH", default="bench.json",
                    help="where to write the numbers (default bench.json)")
@@ -284,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     p.set_defaults(fn=cmd_bench)
 
-    sub.add_parser("info", help=cmd_info.__doc__).set_defaults(fn=cmd_info)
+    sub.add_parser("info", help="versions and which FFI modules loaded").set_defaults(fn=cmd_info)
     return parser
 
 
