@@ -94,34 +94,83 @@ def make_inputs(cfg: CacheConfig, topk: int, key, step, meta: StepMeta):
     return out, jnp.where(ok, idx, -1)
 
 
-def model_step(state: CacheState, meta: StepMeta, inputs, params, impl: str):
+def layer_groups(kinds) -> tuple[int, int, int]:
+    """(start, period, repeats): layers [start, start + period * repeats) repeat
+    a pattern of `period` kinds and run in one `lax.scan` (layer index traced);
+    the layers before `start` are unrolled. V4-Flash: (3, 2, 20), V4-Pro:
+    (1, 2, 30); repeats 0 = unroll everything. Compiling one scanned body
+    instead of 40-odd unrolled layers keeps the demo's compile time short."""
+    best = (len(kinds), 1, 0)
+    for period in (1, 2):
+        for start in range(len(kinds)):
+            tail = kinds[start:]
+            reps = len(tail) // period
+            if len(tail) % period or reps < 2:
+                continue
+            if all(tail[i] == tail[i % period] for i in range(len(tail))):
+                if period * reps > best[1] * best[2]:
+                    best = (start, period, reps)
+                break
+    return best
+
+
+def layer_ops(state, layer, kind, meta, x, p, topk, slots, impl):
+    """One layer's cache calls: append, flush (CSA / HCA), then the gathers
+    its attention reads, reduced to one number. `layer` is a Python int or a
+    traced int32 (inside the scan); `kind` is static either way."""
+    cfg = state.config
+    state = append(state, layer, meta, x["kv"], impl=impl)
+    if kind == C.CSA:
+        state = flush(state, layer, meta, x["ckv"], x["score"], p,
+                      index_kv=x["ikv"], index_score=x["iscore"], impl=impl)
+    elif kind == C.HCA:
+        state = flush(state, layer, meta, x["ckv"], x["score"], p, impl=impl)
+    kv, _ = gather_window(state, layer, slots, impl=impl)
+    total = jnp.sum(kv.astype(jnp.float32))
+    if kind == C.CSA:
+        kv, valid = gather_topk(state, layer, meta.token_slot, meta.token_pos, topk, impl=impl)
+        total += jnp.sum(kv.astype(jnp.float32)) + jnp.sum(valid)
+    elif kind == C.HCA:
+        kv, count = gather_all(state, layer, slots, meta.lengths, cfg.max_blocks_per_request,
+                               impl=impl)
+        total += jnp.sum(kv.astype(jnp.float32)) + jnp.sum(count)
+    return state, total
+
+
+def model_step(state: CacheState, meta: StepMeta, inputs, params, impl: str,
+               scan: bool = True):
     """The cache work of one model step; returns the state and a checksum of
     the gathered rows per layer (f32[L]). `inputs` = (per-layer projections,
-    top-k indices) from `make_inputs`."""
+    top-k indices) from `make_inputs`. `scan=False` unrolls every layer."""
     cfg = state.config
     inputs, topk = inputs
+    kinds = cfg.layer_kinds
     slots = jnp.arange(cfg.max_requests, dtype=jnp.int32)
     state = apply_step(state, meta, impl=impl)
+    start, period, reps = layer_groups(kinds) if scan else (len(kinds), 1, 0)
     sums = []
-    for layer, kind in enumerate(cfg.layer_kinds):
-        x = inputs[layer]
-        state = append(state, layer, meta, x["kv"], impl=impl)
-        if kind == C.CSA:
-            state = flush(state, layer, meta, x["ckv"], x["score"], params[layer],
-                          index_kv=x["ikv"], index_score=x["iscore"], impl=impl)
-        elif kind == C.HCA:
-            state = flush(state, layer, meta, x["ckv"], x["score"], params[layer], impl=impl)
-        kv, _ = gather_window(state, layer, slots, impl=impl)
-        total = jnp.sum(kv.astype(jnp.float32))
-        if kind == C.CSA:
-            kv, valid = gather_topk(state, layer, meta.token_slot, meta.token_pos,
-                                    topk, impl=impl)
-            total += jnp.sum(kv.astype(jnp.float32)) + jnp.sum(valid)
-        elif kind == C.HCA:
-            kv, count = gather_all(state, layer, slots, meta.lengths,
-                                   cfg.max_blocks_per_request, impl=impl)
-            total += jnp.sum(kv.astype(jnp.float32)) + jnp.sum(count)
+    for layer in range(start):
+        state, total = layer_ops(state, layer, kinds[layer], meta, inputs[layer],
+                                 params.get(layer), topk, slots, impl)
         sums.append(total)
+    if reps:
+        stack = lambda trees: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trees)
+        group = [range(start + j, start + period * reps, period) for j in range(period)]
+        xs = [stack([inputs[l] for l in layers]) for layers in group]
+        ps = [stack([params[l] for l in layers]) if kinds[layers[0]] != C.SWA else None
+              for layers in group]
+
+        def body(state, per):
+            i, xs_i, ps_i = per
+            totals = []
+            for j in range(period):
+                layer = jnp.int32(start + j) + i * period
+                state, total = layer_ops(state, layer, kinds[start + j], meta, xs_i[j],
+                                         ps_i[j], topk, slots, impl)
+                totals.append(total)
+            return state, jnp.stack(totals)
+        state, ys = jax.lax.scan(body, state, (jnp.arange(reps, dtype=jnp.int32), xs, ps))
+        sums.extend(ys.reshape(-1))
     return state, jnp.stack(sums)
 
 
@@ -156,8 +205,8 @@ class _Stepper:
     """The jitted, donated step, compiled ahead of time once per shape so
     the timed loop holds no compilation."""
 
-    def __init__(self, cfg, params, impl, topk):
-        self.fn = jax.jit(lambda s, m, x: model_step(s, m, x, params, impl),
+    def __init__(self, cfg, params, impl, topk, scan=True):
+        self.fn = jax.jit(lambda s, m, x: model_step(s, m, x, params, impl, scan),
                           donate_argnums=0)
         self.inputs_fn = jax.jit(lambda k, i, m: make_inputs(cfg, topk, k, i, m))
         self.compiled = {}
@@ -207,14 +256,14 @@ def pad_meta(meta: StepMeta, rows: int) -> StepMeta:
 
 
 def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None,
-        progress: Callable | None = None) -> RunResult:
+        progress: Callable | None = None, scan: bool = True) -> RunResult:
     """Run the demo's schedule through `impl`. With `metas` (from an earlier
     run) the same steps are replayed without a manager, every step padded to
     the largest one (one compilation instead of two: the reference path
     compiles slowly)."""
     params = layer_params(cfg, seed=settings.seed)
     topk = cfg.index_topk
-    step_fn = _Stepper(cfg, params, impl, topk)
+    step_fn = _Stepper(cfg, params, impl, topk, scan)
     key = jax.random.key(settings.seed)
     state = init_state(cfg)
     jax.block_until_ready(state)

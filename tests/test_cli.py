@@ -127,3 +127,23 @@ def test_bench_reads_another_suites_json():
     assert ceiling == 3000.0
     assert records == [{"op": "append", "rows": 8, "gbps": 10.5},
                        {"op": "gather_topk", "rows": 64, "gbps": 99.0}]
+
+
+def test_demo_layer_scan_equals_unrolled_layers():
+    """The demo scans the repeating part of a layer pattern (traced layer
+    index); the cache must come out byte for byte as with unrolled layers."""
+    from conftest import assert_trees_bytes_equal
+    from dsv4_jax import demo
+    assert demo.layer_groups(CacheConfig.flash().layer_kinds) == (3, 2, 20)
+    assert demo.layer_groups(CacheConfig.pro().layer_kinds) == (1, 2, 30)
+    assert demo.layer_groups(CacheConfig.tiny().layer_kinds) == (4, 1, 0)
+    cfg = CacheConfig((0, 4, 128, 4, 128), max_requests=2, num_blocks=4,
+                      max_blocks_per_request=2, index_topk=16)
+    assert demo.layer_groups(cfg.layer_kinds) == (1, 2, 2)
+    settings = demo.DemoSettings(prompts=(200, 90), chunk=128, decode_steps=3)
+    scanned = demo.run(cfg, settings)
+    unrolled = demo.run(cfg, settings, metas=scanned.metas, scan=False)
+    assert_trees_bytes_equal(scanned.state, unrolled.state)
+    assert demo.entries_emitted(cfg, [203, 93]) == {"csa": 2 * (50 + 23), "index": 146,
+                                                    "hca": 2 * 1}
+    assert demo.check_against(scanned.state, unrolled.state).ok
