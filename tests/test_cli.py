@@ -147,3 +147,21 @@ def test_demo_layer_scan_equals_unrolled_layers():
     assert demo.entries_emitted(cfg, [203, 93]) == {"csa": 2 * (50 + 23), "index": 146,
                                                     "hca": 2 * 1}
     assert demo.check_against(scanned.state, unrolled.state).ok
+
+
+def test_library_does_not_import_the_cli_extras():
+    import subprocess
+    import sys
+    code = ("import sys, dsv4_jax, dsv4_jax.workload; "
+            "bad = [m for m in ('rich', 'matplotlib', 'tqdm') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_plain_fallback_without_rich(capsys, monkeypatch):
+    from dsv4_jax import _ui
+    monkeypatch.setattr(_ui, "_rich", lambda: False)      # as if rich were not installed
+    code, out = run_cli(capsys, "plan", "--model", "pro", "--context", "4096", "--requests", "2")
+    assert code == 0
+    total = memory_report(CacheConfig.pro(max_requests=2, max_context=4096)).total
+    assert re.search(rf"^total\s+{total:,}\s", out, re.M) and "┃" not in out
