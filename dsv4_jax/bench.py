@@ -166,7 +166,7 @@ def builtin(quick: bool = False, progress=None) -> dict:
     on_cpu = jax.default_backend() == "cpu"
     R, context, k = (16, 4096, 64) if on_cpu else (64, 16384, 512)
     rows_list = ([1, 64] if quick else [1, 16, 128, 512]) if on_cpu else \
-        ([1, 256, 4096] if quick else [1, 16, 256, 2048, 8192])
+        ([1, 256, 4096] if quick else [1, 16, 256, 1024, 4096])
     repeat = 3 if quick else 10
     from .config import CacheConfig
     cfg = CacheConfig.tiny(max_requests=R, max_context=context)
