@@ -301,7 +301,7 @@ def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None
         if settings.corrupt_at_step == i and manager is not None:
             jax.block_until_ready(state)
             t_fix = time.perf_counter()
-            state = corrupt(state, _first_block(cfg, manager, ids, recorded))
+            state = corrupt(state, _first_block(manager, ids))
             t0 += time.perf_counter() - t_fix
         if progress is not None:
             progress()
@@ -311,7 +311,8 @@ def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None
                      np.asarray(checksum))
 
 
-def _first_block(cfg, manager, ids, metas):
+def _first_block(manager, ids):
+    """A block holding a written CSA entry 0: the one the hook damages."""
     if manager is None:
         raise ValueError("corrupt_at_step: needs the run that owns the manager")
     for r in sorted(ids, key=manager.length_of, reverse=True):

@@ -138,7 +138,7 @@ class Schedule:
     def queries(self, meta, k=8):
         """Slots of every request (plus -1 padding), top-k indices mixing
         visible, invisible and -1, lengths for gather_all."""
-        m, rng, cfg = self.manager, self.rng, self.cfg
+        m, rng = self.manager, self.rng
         slots = [m.slot_of(r) for r in m.requests] + [-1]
         lengths = [m.length_of(r) for r in m.requests] + [0]
         T = meta.num_tokens
