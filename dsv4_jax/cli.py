@@ -1,91 +1,301 @@
-"""`python -m dsv4_jax [demo|plan|info]`."""
+"""`python -m dsv4_jax [demo|plan|bench|info]`.
+
+demo   build a cache, run chunked prefill and a jitted decode loop over several
+       requests, print throughput and memory, check the cache against the jnp
+       reference (PASS / FAIL, exit code 1 on FAIL)
+plan   memory plan of a model at a context length and number of requests
+bench  the benchmark suite (benchmarks/run.py) or a built-in timing of the ops;
+       a table, a JSON of the numbers and a PNG plot
+info   versions and which FFI modules loaded
+
+Tables and progress bars use `rich` and the plot `matplotlib` when installed
+(`pip install "dsv4-jax[cli]"`); without them the output is plain text and
+the plot is skipped.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
-import time
-
-import jax
-import numpy as np
 
 from . import _ffi
+from . import config as C
+from ._ui import UI
 from .config import CacheConfig
-from .manager import CacheManager
 from .memory import MIB, memory_report
-from .ops.apply_step import apply_step
-from .state import init_state
 
 _PRESETS = {"tiny": CacheConfig.tiny, "flash": CacheConfig.flash, "pro": CacheConfig.pro}
+GIB = 1024 ** 3
+# DeepSeek-V3.2's MLA cache: 512 fp8 values + 4 fp32 scales + 64 bf16 RoPE
+# channels per token per layer.
+MLA_BYTES_PER_TOKEN_LAYER = 656
 
 
-def _config(args) -> CacheConfig:
-    return _PRESETS[args.model](max_requests=args.requests, max_context=args.context,
-                                kv_format=args.kv_format)
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
-def cmd_demo(args) -> int:
-    """Build a cache, admit requests with different prompt lengths and run
-    jitted, donated steps of apply_step (the full decode loop arrives with the
-    remaining ops)."""
-    cfg = _config(args)
-    print(f"dsv4_jax demo: model {cfg.model}, {cfg.num_layers} layers, R={cfg.max_requests}, "
-          f"N={cfg.num_blocks} blocks, kv_format {cfg.kv_format}, backend {jax.default_backend()}")
-    print(f"FFI modules: {_ffi.module_status()}")
-    state = init_state(cfg)
-    manager = CacheManager(cfg)
-    rng = np.random.default_rng(0)
-    prompts = {manager.admit(): int(n) for n in rng.integers(1, cfg.max_context // 2,
-                                                            cfg.max_requests)}
-    step = jax.jit(apply_step, donate_argnames=("state",))
-    state = step(state, manager.prepare_step(prompts))
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state = step(state, manager.prepare_step({r: 1 for r in prompts}))
-    jax.block_until_ready(state)
-    dt = time.perf_counter() - t0
-    table = np.asarray(state.block_table)
-    ok = all(list(table[manager.slot_of(r)][:len(manager.blocks_of(r))]) ==
-             list(manager.blocks_of(r)) for r in prompts)
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B" if float(n).is_integer() else f"{n:,.2f} B"
+
+
+# ---- demo -------------------------------------------------------------------------------
+def _demo_defaults(args) -> None:
+    """Fill options left unset: tiny on the CPU, the flash layer pattern
+    (with fewer, shorter requests than in serving) on an accelerator."""
+    import jax
+    on_cpu = jax.default_backend() == "cpu"
+    defaults = (dict(model="tiny", requests=4, context=512, steps=32, chunk=64) if on_cpu else
+                dict(model="flash", requests=4, context=4096, steps=64, chunk=128))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def cmd_demo(args, parser) -> int:
+    """Chunked prefill and a jitted decode loop over several requests, checked
+    against the jnp reference."""
+    _demo_defaults(args)
+    if args.steps >= args.context:
+        parser.error(f"--steps: expected fewer decode steps than --context ({args.context}), "
+                     f"got {args.steps}")
+    if args.context < 2 * C.CSA_RATIO:
+        parser.error(f"--context: expected at least {2 * C.CSA_RATIO} tokens, got {args.context}")
+    import jax
+    from . import demo
+
+    ui = UI(plain=args.plain)
+    cfg = _PRESETS[args.model](max_requests=args.requests, max_context=args.context,
+                               kv_format=args.kv_format)
+    prompts = demo.prompt_lengths(cfg, args.requests, args.steps, args.seed)
+    settings = demo.DemoSettings(prompts, args.chunk, args.steps, args.seed, args.corrupt_at_step)
+    plan = demo.schedule(settings)
+    if args.corrupt_at_step is not None and args.corrupt_at_step >= len(plan):
+        parser.error(f"--corrupt-at-step: expected a step < {len(plan)}, got {args.corrupt_at_step}")
+    from .ops._dispatch import resolve_impl
+    try:
+        impl = resolve_impl(args.impl, "dsv4_flush_csa")
+    except ValueError as e:
+        parser.error(f"--impl: {e}")
+    ui.line(f"dsv4_jax demo: model {cfg.model} ({cfg.num_layers} layers: {len(cfg.layers_of(C.SWA))} "
+            f"SWA, {cfg.num_csa} CSA, {cfg.num_hca} HCA), kv_format {cfg.kv_format}, "
+            f"backend {jax.default_backend()}, ops: {impl}")
+    ui.line(f"{args.requests} requests, prompts {list(prompts)} tokens, prefill chunks of "
+            f"{args.chunk}, then {args.steps} decode steps (context {cfg.max_context})")
+
+    with ui.progress(f"run ({impl})", len(plan)) as advance:
+        ours = demo.run(cfg, settings, impl=args.impl, progress=advance)
+    with ui.progress("reference replay", len(plan)) as advance:
+        ref = demo.run(cfg, settings, impl="reference", metas=ours.metas, progress=advance)
+
+    rows = []
+    for name, ph in ours.phases.items():
+        if ph.steps:
+            rows.append([name, ph.steps, f"{ph.tokens:,}", f"{ph.seconds:.3f}",
+                         f"{ph.steps / ph.seconds:,.1f}", f"{ph.seconds / ph.steps * 1e3:.2f}",
+                         f"{ph.tokens / ph.seconds:,.0f}"])
+    ui.table(f"throughput ({impl}, compile {ours.compile_seconds:.1f} s not included)",
+             ["phase", "steps", "tokens", "seconds", "steps/s", "ms/step", "tokens/s"], rows)
     rep = memory_report(cfg)
-    print(f"steps {args.steps}, {dt / max(args.steps, 1) * 1e3:.2f} ms/step, "
-          f"pool memory {rep.total / MIB:.1f} MiB, blocks in use "
-          f"{cfg.num_blocks - manager.free_blocks}/{cfg.num_blocks}")
-    print("block table matches the manager:", "PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    lengths = [ours.manager.length_of(r) for r in ours.manager.requests]
+    emitted = demo.entries_emitted(cfg, lengths)
+    used = cfg.num_blocks - ours.manager.free_blocks
+    ui.table("cache", ["", "value"], [
+        ["pool memory (whole state)", _bytes(rep.total)],
+        ["blocks in use", f"{used} / {cfg.num_blocks}"],
+        ["tokens cached", f"{sum(lengths):,} ({', '.join(map(str, lengths))})"],
+        ["CSA entries emitted (all CSA layers)", f"{emitted['csa']:,}"],
+        ["indexer keys emitted", f"{emitted['index']:,}"],
+        ["HCA entries emitted (all HCA layers)", f"{emitted['hca']:,}"],
+    ], numeric=False)
+    check = demo.check_against(ours.state, ref.state)
+    if impl == "reference":
+        ui.line("note: no FFI module for this backend, so both runs used the reference ops")
+    ui.line(f"check against the reference: {'PASS' if check.ok else 'FAIL'} ({check.message})")
+    return 0 if check.ok else 1
 
 
-def cmd_plan(args) -> int:
-    cfg = _config(args)
+# ---- plan -------------------------------------------------------------------------------
+def plan_numbers(cfg: CacheConfig, context: int, gpu_memory_gib: float) -> dict:
+    """Every number `plan` prints, from memory_report (the JSON of --json)."""
     rep = memory_report(cfg)
-    print(f"model {cfg.model}: {cfg.num_layers} layers ({cfg.num_csa} CSA, {cfg.num_hca} HCA), "
-          f"{cfg.max_requests} requests x {cfg.max_context} tokens, kv_format {cfg.kv_format}")
-    print(rep.table())
+    R = cfg.max_requests
+    blocks = cfg.blocks_for_context(context)
+    table_row = cfg.max_blocks_per_request * 4          # one block-table row, int32
+    per_request = rep.per_request(context) + table_row
+    mla = MLA_BYTES_PER_TOKEN_LAYER * cfg.num_layers * context
+    budget = gpu_memory_gib * GIB
+    layers = {k: len(cfg.layers_of(k)) for k in (C.SWA, C.CSA, C.HCA)}
+    return {
+        "model": cfg.model, "layers": cfg.num_layers, "layers_by_kind": layers,
+        "context": context, "requests": R, "kv_format": cfg.kv_format,
+        "pools": dict(rep.pools), "by_kind": dict(rep.by_kind), "total": rep.total,
+        "window_per_request": rep.window_per_request,
+        "compressor_per_request": rep.compressor_per_request,
+        "per_block": rep.per_block, "per_token": rep.per_token,
+        "blocks_per_request": blocks, "blocks_total": cfg.num_blocks,
+        "block_table_per_request": table_row,
+        "per_request": per_request, "per_token_all_in": per_request / context,
+        "mla_per_request": mla, "mla_per_token": MLA_BYTES_PER_TOKEN_LAYER * cfg.num_layers,
+        "mla_ratio": mla / per_request,
+        "gpu_memory_gib": gpu_memory_gib,
+        "fit_requests": int(budget // per_request), "fit_requests_mla": int(budget // mla),
+    }
+
+
+def cmd_plan(args, parser) -> int:
+    """Memory plan: bytes per pool and layer kind, per request and per token;
+    blocks; a V3.2-style MLA cache for comparison; requests that fit."""
+    try:
+        cfg = _PRESETS[args.model](max_requests=args.requests, max_context=args.context,
+                                   kv_format=args.kv_format)
+    except ValueError as e:
+        parser.error(str(e))
+    ui = UI(plain=args.plain)
+    n = plan_numbers(cfg, args.context, args.gpu_memory)
+    R, ctx = n["requests"], n["context"]
+    lk = n["layers_by_kind"]
+    ui.line(f"model {cfg.model}: {cfg.num_layers} layers ({lk['swa']} SWA, {lk['csa']} CSA, "
+            f"{lk['hca']} HCA), {R} requests x {ctx:,} tokens, kv_format {cfg.kv_format}")
+    rows = [[name, f"{b:,}", f"{b / MIB:,.2f}", f"{b / R:,.0f}", f"{b / (R * ctx):,.2f}"]
+            for name, b in n["pools"].items()]
+    rows.append(["total", f"{n['total']:,}", f"{n['total'] / MIB:,.2f}", f"{n['total'] / R:,.0f}",
+                 f"{n['total'] / (R * ctx):,.2f}"])
+    ui.table("state by pool", ["pool", "bytes", "MiB", "per request", "per token"], rows)
+    rows = [[kind, lk[kind], f"{b:,}", f"{b / MIB:,.2f}", f"{b / R:,.0f}", f"{b / (R * ctx):,.2f}"]
+            for kind, b in n["by_kind"].items()]
+    ui.table("state by layer kind (window of every layer under swa)",
+             ["kind", "layers", "bytes", "MiB", "per request", "per token"], rows)
+    ui.table(f"one request of {ctx:,} tokens", ["", "value"], [
+        ["sliding windows (all layers)", f"{n['window_per_request']:,} B ({_bytes(n['window_per_request'])})"],
+        ["compressor state", f"{n['compressor_per_request']:,} B ({_bytes(n['compressor_per_request'])})"],
+        ["compressed pools", f"{n['blocks_per_request']:,} blocks x {n['per_block']:,} B "
+                             f"= {_bytes(n['blocks_per_request'] * n['per_block'])}"],
+        ["block table row", f"{n['block_table_per_request']:,} B"],
+        ["total per request", f"{n['per_request']:,} B ({_bytes(n['per_request'])})"],
+        ["per token of context", f"{n['per_token_all_in']:,.2f} B all in; "
+                                 f"{n['per_token']:,.2f} B of compressed pools"],
+        ["blocks needed", f"{n['blocks_per_request']:,} per request, {n['blocks_total']:,} "
+                          f"for {R} requests"],
+        [f"V3.2-style MLA cache ({MLA_BYTES_PER_TOKEN_LAYER} B/token/layer x {cfg.num_layers})",
+         f"{n['mla_per_request']:,} B ({_bytes(n['mla_per_request'])}); "
+         f"{n['mla_ratio']:.2f}x this cache"],
+        [f"requests that fit in {args.gpu_memory:g} GiB",
+         f"{n['fit_requests']:,} (MLA: {n['fit_requests_mla']:,}); cache only, "
+         f"no weights or activations"],
+    ], numeric=False)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(n, f, indent=1)
+        ui.line(f"numbers written to {args.json}")
     return 0
 
 
-def cmd_info(args) -> int:
+# ---- info -------------------------------------------------------------------------------
+def cmd_info(args, parser) -> int:
+    """Versions and which FFI modules loaded."""
+    import jax
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     for platform, status in _ffi.module_status().items():
         print(f"  {platform}: {status}")
     return 0
 
 
-def main(argv=None) -> int:
+# ---- bench (in dsv4_jax/bench.py) ------------------------------------------------------------
+def cmd_bench(args, parser) -> int:
+    """Benchmarks: benchmarks/run.py when present, else a built-in timing of
+    the ops; a table, a JSON and a PNG plot."""
+    from . import bench
+    return bench.main(args, UI(plain=args.plain))
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dsv4_jax",
                                      description="DeepSeek-V4 KV cache for JAX")
-    sub = parser.add_subparsers(dest="command")
-    for name, fn, model, requests, context in (("demo", cmd_demo, "tiny", 4, 512),
-                                               ("plan", cmd_plan, "flash", 8, 65536)):
-        p = sub.add_parser(name, help=fn.__doc__.split("\n")[0] if fn.__doc__ else None)
-        p.add_argument("--model", choices=sorted(_PRESETS), default=model)
-        p.add_argument("--requests", type=int, default=requests)
-        p.add_argument("--context", type=int, default=context)
-        p.add_argument("--kv-format", default="ds_fp8", choices=["ds_fp8", "fp8_token", "bf16"])
-        if name == "demo":
-            p.add_argument("--steps", type=int, default=20)
-        p.set_defaults(fn=fn)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--plain", action="store_true",
+                        help="plain-text output even when rich is installed")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,plan,bench,info}")
+
+    p = sub.add_parser("demo", parents=[common], help="run a checked decode loop (default)",
+                       description=cmd_demo.__doc__)
+    p.add_argument("--model", choices=sorted(_PRESETS),
+                   help="layer pattern (default: tiny on the CPU, flash on a GPU)")
+    p.add_argument("--requests", type=_positive_int, help="requests (default 4)")
+    p.add_argument("--context", type=_positive_int,
+                   help="maximum context per request (default 512 on the CPU, 4096 on a GPU)")
+    p.add_argument("--steps", type=_positive_int, help="decode steps after the prefill")
+    p.add_argument("--chunk", type=_positive_int, help="prefill tokens per request per step")
+    p.add_argument("--kv-format", default="ds_fp8", choices=list(C.KV_FORMATS))
+    p.add_argument("--impl", default="auto", choices=["auto", "cpu", "cuda", "reference"],
+                   help="implementation of the checked run (the replay is always reference)")
+    p.add_argument("--seed", type=_nonnegative_int, default=0)
+    # Test hook: damage one stored byte after this step; the check must then FAIL.
+    p.add_argument("--corrupt-at-step", type=_nonnegative_int, default=None,
+                   help=argparse.SUPPRESS)
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("plan", parents=[common], help="memory plan of a model, context and batch",
+                       description=cmd_plan.__doc__)
+    p.add_argument("--model", choices=sorted(_PRESETS), default="flash")
+    p.add_argument("--context", type=_positive_int, default=65536, help="tokens per request")
+    p.add_argument("--requests", type=_positive_int, default=8)
+    p.add_argument("--kv-format", default="ds_fp8", choices=list(C.KV_FORMATS))
+    p.add_argument("--gpu-memory", type=_positive_float, default=80.0, metavar="GIB",
+                   help="memory to fill with requests of --context tokens (default 80 GiB)")
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("bench", parents=[common], help="time the ops: table, JSON, plot",
+                       description=cmd_bench.__doc__)
+    p.add_argument("--json", metavar="PATH", default="bench.json",
+                   help="where to write the numbers (default bench.json)")
+    p.add_argument("--plot", metavar="PATH", default="bench.png",
+                   help="where to write the plot (default bench.png)")
+    p.add_argument("--builtin", action="store_true",
+                   help="use the built-in timing even if benchmarks/run.py exists")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    p.set_defaults(fn=cmd_bench)
+
     sub.add_parser("info", help="versions and which FFI modules loaded").set_defaults(fn=cmd_info)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("demo", "plan", "bench", "info", "-h", "--help"):
+        argv = ["demo"] + argv          # demo is the default command
     args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["demo"] + list(argv or sys.argv[1:]))
-    return args.fn(args)
+    sub = parser._subparsers._group_actions[0].choices[args.command]
+    return args.fn(args, sub)
