@@ -27,6 +27,22 @@ class CompressorParams:
     inv_freq: jax.Array
     index: Optional["CompressorParams"] = None
 
+    @classmethod
+    def neutral(cls, kind: str) -> "CompressorParams":
+        """Parameters that change nothing but the RoPE: no position bias, unit
+        norm weight, the official frequencies (`kind` "csa" or "hca"). For
+        demos and tests; a model passes its learned weights."""
+        if kind not in (C.CSA, C.HCA):
+            raise ValueError(f"kind: expected 'csa' or 'hca', got {kind!r}")
+        freq = jnp.asarray(yarn_inv_freq())
+
+        def one(m, coff, d, index=None):
+            return cls(jnp.zeros((m, coff * d), jnp.float32), jnp.ones((d,), jnp.float32),
+                       freq, index)
+        if kind == C.HCA:
+            return one(C.HCA_RATIO, 1, C.HEAD_DIM)
+        return one(C.CSA_RATIO, 2, C.HEAD_DIM, one(C.CSA_RATIO, 2, C.INDEX_DIM))
+
 
 def yarn_inv_freq(rope_dim: int = C.ROPE_DIM, theta: float = C.ROPE_THETA,
                   factor: float = C.ROPE_YARN_FACTOR,
