@@ -35,6 +35,10 @@ ffi::Error AppendImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer lay
       ++a.errors[kBadPosition];
       continue;
     }
+    if (!num::RowIsFinite(a.kv + t * kHeadDim, kHeadDim)) {
+      ++a.errors[kNonfinite];
+      continue;
+    }
     int64_t& w = winner[static_cast<size_t>(s * kWindow + p % kWindow)];
     if (w < 0 || p >= a.pos[w]) w = t;
   }

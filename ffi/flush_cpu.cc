@@ -56,6 +56,11 @@ bool FoldCsa(const CompressorView& v, int64_t R, int64_t l, int64_t s, int64_t t
   return true;
 }
 
+bool TokenInputsFinite(const CompressorView& v, int64_t t) {
+  const int64_t w = int64_t{v.coff} * v.d;
+  return num::RowIsFinite(v.kv + t * w, w) && num::RowIsFinite(v.score + t * w, w);
+}
+
 // Drops a bad token (counting it); returns the physical block of its position.
 int64_t TokenBlock(const FlushArgs& a, int64_t t) {
   int64_t s = a.slot[t], p = a.pos[t];
@@ -71,6 +76,10 @@ int64_t TokenBlock(const FlushArgs& a, int64_t t) {
   int64_t block = a.block_table[s * a.MB + p / kBlockTokens];
   if (block < 0 || block >= a.N) {
     ++a.errors[kMissingBlock];
+    return -1;
+  }
+  if (!TokenInputsFinite(a.main, t) || (a.csa && !TokenInputsFinite(a.index, t))) {
+    ++a.errors[kNonfinite];
     return -1;
   }
   return block;

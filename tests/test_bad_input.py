@@ -1,5 +1,5 @@
 """Bad input at run time (DESIGN §9), property-based: random metadata with a
-fraction of bad rows, on every implementation. Each op must give exactly the
+fraction of bad rows (and rows with NaN/Inf inputs), on every implementation. Each op must give exactly the
 result of the same call with the bad rows turned into padding, leave every
 other byte alone, and count each bad row once under its kind."""
 import dataclasses
@@ -61,11 +61,11 @@ def token_rows(draw, contiguous: bool):
     """T rows: per request contiguous positions from 0 (for flush) or random
     positions (for append), padding, and bad rows of each kind. Returns
     (slot, pos, kind) with kind 0 valid, 1 pad, 2 bad slot, 3 bad pos,
-    4 missing block (slot 3)."""
+    4 missing block (slot 3), 5 a valid row whose inputs the test makes NaN/Inf."""
     slot, pos, kind = [], [], []
     nxt = {0: 0, 1: 0, 2: 0, 3: 0}
     for _ in range(T):
-        k = draw(st.sampled_from([0, 0, 0, 1, 2, 3, 4]))
+        k = draw(st.sampled_from([0, 0, 0, 1, 2, 3, 4, 5]))
         if k == 0:
             s = draw(st.integers(0, 2))
             p = nxt[s] if contiguous else draw(st.integers(0, MAXCTX - 1))
@@ -76,17 +76,30 @@ def token_rows(draw, contiguous: bool):
             s, p = draw(bad_slot), draw(st.integers(0, 100))
         elif k == 3:
             s, p = draw(st.integers(0, 2)), draw(bad_pos)
-        else:
+        elif k == 4:
             s, p = 3, nxt[3]
             nxt[3] += 1
+        else:             # takes the next position without consuming it
+            s = draw(st.integers(0, 2))
+            p = nxt[s] if contiguous else draw(st.integers(0, MAXCTX - 1))
         slot.append(s), pos.append(p), kind.append(k)
     return np.array(slot, np.int32), np.array(pos, np.int32), np.array(kind)
 
 
 def expected_counts(kind, missing_counts=True):
     c = {K.BAD_SLOT: int(np.sum(kind == 2)), K.BAD_POSITION: int(np.sum(kind == 3)),
-         K.MISSING_BLOCK: int(np.sum(kind == 4)) if missing_counts else 0}
+         K.MISSING_BLOCK: int(np.sum(kind == 4)) if missing_counts else 0,
+         K.NONFINITE: int(np.sum(kind == 5))}
     return {k: v for k, v in c.items() if v}
+
+
+def poison_rows(arrays, kind, rng):
+    """NaN, +Inf or -Inf in one channel of one of `arrays` per kind-5 row."""
+    arrays = [np.array(a, np.float32) for a in arrays]
+    for t in np.flatnonzero(kind == 5):
+        a = arrays[rng.integers(len(arrays))]
+        a[t, rng.integers(a.shape[1])] = rng.choice([np.nan, np.inf, -np.inf])
+    return arrays
 
 
 def counts_delta(new, old):
@@ -107,9 +120,11 @@ _append = jax.jit(lambda s, m, kv: dj.append(s, 0, m, kv))
 @given(rows=token_rows(contiguous=False), seed=st.integers(0, 2**31 - 1))
 def test_append_drops_exactly_the_bad_rows(rows, seed):
     slot, pos, kind = rows
-    kv = jnp.asarray(np.random.default_rng(seed).normal(0, 2, (T, 512)), jnp.bfloat16)
+    rng = np.random.default_rng(seed)
+    kv, = poison_rows([rng.normal(0, 2, (T, 512))], kind, rng)
+    kv = jnp.asarray(kv, jnp.bfloat16)
     got = _append(BASE, meta_of(slot, pos), kv)
-    want = _append(BASE, meta_of(padded(slot, kind, [2, 3]), pos), kv)
+    want = _append(BASE, meta_of(padded(slot, kind, [2, 3, 5]), pos), kv)
     # slot 3 has no blocks, but the window needs none: kind 4 rows are valid here
     assert counts_delta(got, BASE) == expected_counts(kind, missing_counts=False)
     assert counts_delta(want, BASE) == {}
@@ -126,13 +141,19 @@ PARAMS = layer_params(CFG, seed=9)[1]
 def test_flush_drops_exactly_the_bad_rows(rows, seed):
     slot, pos, kind = rows
     rng = np.random.default_rng(seed)
-    x, z = (jnp.asarray(rng.normal(0, 2, (T, 1024)), jnp.float32) for _ in range(2))
-    ix, iz = (jnp.asarray(rng.normal(0, 2, (T, 256)), jnp.float32) for _ in range(2))
+    x, z, ix, iz = map(jnp.asarray, poison_rows(
+        [rng.normal(0, 2, (T, 1024)), rng.normal(0, 2, (T, 1024)),
+         rng.normal(0, 2, (T, 256)), rng.normal(0, 2, (T, 256))], kind, rng))
     got = _flush(BASE, meta_of(slot, pos), x, z, ix, iz, PARAMS)
-    want = _flush(BASE, meta_of(padded(slot, kind, [2, 3, 4]), pos), x, z, ix, iz, PARAMS)
+    want = _flush(BASE, meta_of(padded(slot, kind, [2, 3, 4, 5]), pos), x, z, ix, iz, PARAMS)
     assert counts_delta(got, BASE) == expected_counts(kind)
     assert counts_delta(want, BASE) == {}
     assert_trees_bytes_equal(dataclasses.replace(got, errors=want.errors), want)
+    for leaf in jax.tree_util.tree_leaves(got):    # no NaN stored, no 0xFF scale
+        if leaf.dtype == jnp.float8_e8m0fnu:
+            assert not np.any(np.asarray(leaf).view(np.uint8) == 0xFF)
+        elif leaf.dtype != jnp.int32 and leaf.dtype != jnp.uint8:
+            assert not np.any(np.isnan(np.asarray(leaf, np.float32)))
     # nothing outside the blocks of slots 0-2 changed (sentinel bytes intact)
     table = np.asarray(BASE.block_table)
     used = sorted(set(table[:3][table[:3] >= 0].tolist()))

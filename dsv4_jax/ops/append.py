@@ -7,7 +7,8 @@ FFI target "dsv4_append" (operands in this order):
          swa.kv.nope, swa.kv.rope[, swa.kv.scale]  (scale absent for bf16)
   rets   the aliased buffers, same order.
 Per token: slot -1 is padding; slot outside [0, R) -> BAD_SLOT; pos < 0 or
-pos >= max_context -> BAD_POSITION; both dropped. Ring slot = pos mod 128; when
+pos >= max_context -> BAD_POSITION; a kv row holding NaN or Inf -> NONFINITE;
+all dropped (counted under the first rule they break, in that order). Ring slot = pos mod 128; when
 several tokens of one call land on the same (slot, ring slot), the largest
 position wins (ties: the later row). Layer -1 -> BAD_LAYER once, nothing written.
 """

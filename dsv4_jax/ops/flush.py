@@ -24,7 +24,9 @@ FFI targets (operands in this order):
   rets   the aliased buffers, same order.
 Per token: slot -1 padding; bad slot -> BAD_SLOT; pos < 0 or >= max_context ->
 BAD_POSITION; block_table[slot, pos // 128] outside [0, N) -> MISSING_BLOCK;
-such tokens are dropped (not folded). Each request's tokens must come in
+NaN or Inf in the token's kv or score row (CSA: also index_kv/index_score) ->
+NONFINITE; such tokens are dropped (not folded), counted under the first rule
+they break, in that order. Each request's tokens must come in
 increasing contiguous positions across calls (what CacheManager produces).
 """
 from __future__ import annotations

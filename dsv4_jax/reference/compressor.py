@@ -203,10 +203,14 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
     col = jnp.clip(token_pos // C.BLOCK_TOKENS, 0, MB - 1)
     block = state.block_table[read_index(token_slot, R), col]
     missing = valid & ((block < 0) | (block >= N))
-    valid = valid & ~missing & ok_layer
+    inputs = (kv, score) + ((index_kv, index_score) if csa else ())
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x), axis=-1) for x in inputs]), axis=0)
+    nonfinite = valid & ~missing & ~finite
+    valid = valid & ~missing & ~nonfinite & ok_layer
     errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
                                                  ErrorKind.BAD_POSITION: count(bad_pos),
-                                                 ErrorKind.MISSING_BLOCK: count(missing)})
+                                                 ErrorKind.MISSING_BLOCK: count(missing),
+                                                 ErrorKind.NONFINITE: count(nonfinite)})
     layer = read_index(kind_idx, Lk)
     layer_w = jnp.where(ok_layer, kind_idx, Lk)                   # Lk = dropped
     slot = jnp.where(valid, token_slot, 0)

@@ -40,9 +40,11 @@ def append(state: CacheState, layer_idx, token_slot, token_pos, kv) -> CacheStat
     L, R = cfg.num_layers, cfg.max_requests
     ok_layer = layer_ok(layer_idx, L)
     valid, bad_slot, bad_pos = token_checks(token_slot, token_pos, R, cfg.max_context)
-    valid = valid & ok_layer
+    nonfinite = valid & ~jnp.all(jnp.isfinite(kv), axis=-1)
+    valid = valid & ~nonfinite & ok_layer
     errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
-                                                 ErrorKind.BAD_POSITION: count(bad_pos)})
+                                                 ErrorKind.BAD_POSITION: count(bad_pos),
+                                                 ErrorKind.NONFINITE: count(nonfinite)})
     win = _winners(token_slot, token_pos, valid, R)
     layer = read_index(layer_idx, L)
     slot = jnp.where(win, token_slot, R)                         # R = dropped

@@ -63,6 +63,19 @@ DSV4_HD float BitsFloat(uint32_t u) {
 
 DSV4_HD bool IsNan(float f) { return (FloatBits(f) & 0x7fffffffu) > 0x7f800000u; }
 DSV4_HD bool IsFinite(float f) { return (FloatBits(f) & 0x7f800000u) != 0x7f800000u; }
+DSV4_HD bool Bf16IsFinite(uint16_t h) { return (h & 0x7f80u) != 0x7f80u; }
+// Whether a row of inputs holds no NaN or Inf (DESIGN §9: such a token is
+// dropped and counted as NONFINITE).
+DSV4_HD bool RowIsFinite(const uint16_t* bf16, int64_t n) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok = ok && Bf16IsFinite(bf16[i]);
+  return ok;
+}
+DSV4_HD bool RowIsFinite(const float* f32, int64_t n) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok = ok && IsFinite(f32[i]);
+  return ok;
+}
 DSV4_HD float NegInf() { return BitsFloat(0xff800000u); }
 DSV4_HD float AbsF(float f) { return BitsFloat(FloatBits(f) & 0x7fffffffu); }
 // max that ignores a NaN operand (as fmaxf): a NaN input never becomes amax.
