@@ -15,7 +15,7 @@ COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "
 
 
 def mesh_of(n):
-    devices = jax.devices()
+    devices = jax.devices()   # the default backend's: 4 CPU devices in CI, the GPUs on a GPU host
     if len(devices) < n:
         pytest.skip(f"needs {n} devices")
     return Mesh(np.array(devices[:n]), ("data",))
@@ -119,13 +119,14 @@ def test_admission_balances_shards():
         shard_config(CacheConfig.tiny(max_requests=6), mesh, "data")
 
 
-def test_sharded_workload_equals_each_shard_run_alone():
-    """apply_step + append + flush on every layer, then every gather, on 4
-    shards; each shard's slice equals the same requests run unsharded, the
-    compiled step has no collectives and keeps the pools in place."""
+@pytest.mark.parametrize("n", [2, 4])
+def test_sharded_workload_equals_each_shard_run_alone(n):
+    """apply_step + append + flush on every layer, then every gather, on n
+    shards (CPU devices in CI, GPUs on a multi-GPU machine); each shard's
+    slice equals the same requests run unsharded, the compiled step has no
+    collectives and keeps the pools in place."""
     from scenario import layer_params, read_step, step_inputs, write_step
-    mesh = mesh_of(4)
-    n = 4
+    mesh = mesh_of(n)
     cfg = shard_config(CacheConfig.tiny(max_requests=8, num_blocks=32), mesh, "data")
     local = cfg.local()
     params = layer_params(cfg, seed=3)
