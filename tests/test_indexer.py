@@ -317,3 +317,61 @@ def test_implementations_identical(seed):
             outs[impl, k] = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False))
     for (impl, k), v in outs.items():
         np.testing.assert_array_equal(v, outs["reference", k], err_msg=f"{impl} k={k}")
+
+
+def np_rank_keys(s):
+    """uint32 rank keys of float32 scores (NaN as -inf, -0 as +0)."""
+    s = np.where(np.isnan(s), np.float32(-np.inf), s).astype(np.float32)
+    s = np.where(s == 0, np.float32(0), s).astype(np.float32)
+    b = s.view(np.uint32)
+    key = np.where(b & 0x80000000, b ^ 0x7FFFFFFF, b)
+    return (key ^ 0x80000000).astype(np.uint32)
+
+
+def test_reference_scores_bit_exact():
+    """The reference's score bits equal the numpy float32 replay of the
+    documented order (a different summation order would show here)."""
+    from dsv4_jax.reference.indexer import score_entries
+    rng = np.random.default_rng(4)
+    st = make_state(rng, R=1, max_context=512, blocks={0: [0, 1, 2, 3]})
+    keys, _ = host_keys(st, 0, 0, 128)
+    q, w = queries(rng, 1, qscale=3.0)
+    got = np.asarray(jax.jit(score_entries)(jnp.asarray(keys, jnp.float32),
+                                            jnp.asarray(q[0], jnp.float32), jnp.asarray(w[0])))
+    want = replay_f32(keys, q[0], w[0])
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # the check is sharp: summing the heads in reverse moves some bits
+    k = keys.astype(np.float32).reshape(-1, 1, 4, 32) * np.asarray(q[0], np.float32).reshape(1, 64, 4, 32)
+    d = k.sum(-1).sum(-1)
+    c = w[0][None] * np.maximum(d, 0)
+    assert np.any(c[:, ::-1].cumsum(1)[:, -1].view(np.uint32) != want.view(np.uint32))
+
+
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
+                                  pytest.param("cuda", marks=CUDA)])
+def test_handler_scores_bit_exact(impl):
+    """The handlers' scratch output (rank keys of every visible entry) equals
+    the float32 replay bit for bit."""
+    from dsv4_jax.ops._dispatch import ffi_call
+    rng = np.random.default_rng(6)
+    st = make_state(rng, R=2, max_context=512, blocks={0: [2, 0, 3, 1], 1: [4, 5, 6, 7]})
+    slot = np.array([0, 1, 0], np.int32)
+    pos = np.array([511, 300, 77], np.int32)
+    q, w = queries(rng, 3, qscale=3.0)
+    E = st.config.max_blocks_per_request * 32
+    dev = jax.devices(impl)[0]
+
+    def call(st, s, p, q, w):
+        return ffi_call("dsv4_indexer_topk", [jnp.int32(1), s, p, q, w, st.block_table, st.errors,
+                                              st.csa.index.packed, st.csa.index.scale],
+                        [jax.ShapeDtypeStruct((3, 8), jnp.int32),
+                         jax.ShapeDtypeStruct((3, E), jnp.uint32),
+                         jax.ShapeDtypeStruct((8,), jnp.int32)], {6: 2})
+    args = jax.device_put((st, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q),
+                           jnp.asarray(w)), dev)
+    _, scratch, _ = jax.jit(call)(*args)
+    scratch = np.asarray(scratch)
+    for t in range(3):
+        n = visible(int(pos[t]), 4)
+        keys, _ = host_keys(st, 1, slot[t], n)
+        np.testing.assert_array_equal(scratch[t, :n], np_rank_keys(replay_f32(keys, q[t], w[t])))
