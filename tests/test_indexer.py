@@ -375,3 +375,63 @@ def test_handler_scores_bit_exact(impl):
         n = visible(int(pos[t]), 4)
         keys, _ = host_keys(st, 1, slot[t], n)
         np.testing.assert_array_equal(scratch[t, :n], np_rank_keys(replay_f32(keys, q[t], w[t])))
+
+
+def few_distinct_keys(rng, st, n_distinct=6):
+    """Every key of the pool replaced by one of `n_distinct` keys: scores
+    collapse into a few large tie groups (the k-th score sits inside one)."""
+    packed = np.array(st.csa.index.packed)
+    scale = np.array(st.csa.index.scale.view(np.uint8))
+    pick = rng.integers(0, n_distinct, packed.shape[:3])
+    src_p = rng.integers(0, 256, (n_distinct, 64), dtype=np.uint8)
+    src_s = rng.integers(123, 130, (n_distinct, 4), dtype=np.uint8)
+    packed[...] = src_p[pick]
+    scale[...] = src_s[pick]
+    return dataclasses.replace(st, csa=dataclasses.replace(st.csa, index=D.IndexerKeys(
+        jnp.asarray(packed), jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_long_context_many_ties(impl):
+    """2048 entries (several score chunks and select passes on CUDA), k = 512
+    and 700, scores in six tie groups, plus one token with random keys."""
+    rng = np.random.default_rng(21)
+    st = make_state(rng, R=2, max_context=8192)
+    st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
+        [np.r_[b] for b in random_blocks(rng, st.config, range(2)).values()]).astype(np.int32)))
+    tied = few_distinct_keys(rng, st)
+    slot = np.array([0, 1, 0, 1], np.int32)
+    pos = np.array([8191, 5000, 3001, 8191], np.int32)
+    q, w = queries(rng, 4)
+    for state in (tied, st):
+        for k in (512, 700):
+            got = np.asarray(run(state, 1, slot, pos, q, w, k, impl, return_state=False))
+            want, _ = expected(state, 1, slot, pos, q, w, k)
+            np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [31])
+def test_cuda_equals_cpu_paths(seed):
+    """On a GPU machine: the CUDA handler against the reference and the CPU
+    handler, both run on the host CPU device."""
+    if not (has_cuda_target() and jax.default_backend() == "gpu"):
+        pytest.skip("needs a CUDA GPU and dsv4_indexer_topk built for it")
+    st, slot, pos, q, w, _ = workload(seed)
+    cpu = jax.devices("cpu")[0]
+    host = jax.device_put((st, slot, pos, q, w), cpu)
+    for k in (1, 16, 300):
+        got = np.asarray(run(st, 3, slot, pos, q, w, k, "cuda", return_state=False))
+        with jax.default_device(cpu):
+            ref = np.asarray(run(*host[:1], 3, *host[1:], k, "reference", return_state=False))
+            np.testing.assert_array_equal(got, ref, err_msg=f"reference k={k}")
+            if _ffi.has_target("cpu", "dsv4_indexer_topk"):
+                c = np.asarray(run(*host[:1], 3, *host[1:], k, "cpu", return_state=False))
+                np.testing.assert_array_equal(got, c, err_msg=f"cpu k={k}")
+
+
+def has_cuda_target():
+    try:
+        return bool(jax.devices("cuda")) and _ffi.has_target("cuda", "dsv4_indexer_topk")
+    except RuntimeError:
+        return False

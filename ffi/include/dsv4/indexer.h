@@ -26,13 +26,23 @@ constexpr int kMxfp4Block = 32;
 
 // One MXFP4 key (64 packed bytes, element 2j in the low nibble; 4 scale
 // bytes) -> 128 fp32 values.
+// An e2m1 code (low 4 bits) as fp32, from bits alone (no table, so a GPU
+// thread keeps it in registers): magnitude code m = 2e + f is f * 0.5 for
+// e = 0, else 2^(e-1) * (1 + f / 2); the sign is bit 3. Equals
+// num::E2m1ToF32, -0 for code 8 included.
+DSV4_HD float E2m1Value(uint32_t c) {
+  uint32_t e = (c >> 1) & 3u, f = c & 1u;
+  uint32_t mag = e ? (((e + 126u) << 23) | (f << 22)) : (f ? 0x3f000000u : 0u);
+  return num::BitsFloat(mag | ((c & 8u) << 28));
+}
+
 DSV4_HD void DecodeIndexKey(const uint8_t* packed, const uint8_t* scales, float* k) {
   for (int b = 0; b < kIndexScales; ++b) {
     float s = num::E8m0ToF32(scales[b]);
     for (int j = 0; j < kMxfp4Block / 2; ++j) {
       uint8_t byte = packed[16 * b + j];
-      k[32 * b + 2 * j] = num::E2m1ToF32(byte & 15u) * s;
-      k[32 * b + 2 * j + 1] = num::E2m1ToF32(byte >> 4) * s;
+      k[32 * b + 2 * j] = E2m1Value(byte & 15u) * s;
+      k[32 * b + 2 * j + 1] = E2m1Value(byte >> 4) * s;
     }
   }
 }
