@@ -412,9 +412,10 @@ def test_long_context_many_ties(impl):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [31])
-def test_cuda_equals_cpu_paths(seed):
-    """On a GPU machine: the CUDA handler against the reference and the CPU
-    handler, both run on the host CPU device."""
+def test_cuda_equals_reference_on_cpu(seed):
+    """On a GPU machine: the CUDA handler against the reference run on the
+    host CPU device (the CPU handler equals that reference in the CPU tests;
+    under jit with a GPU backend the "cpu" impl is refused)."""
     if not (has_cuda_target() and jax.default_backend() == "gpu"):
         pytest.skip("needs a CUDA GPU and dsv4_indexer_topk built for it")
     st, slot, pos, q, w, _ = workload(seed)
@@ -425,9 +426,6 @@ def test_cuda_equals_cpu_paths(seed):
         with jax.default_device(cpu):
             ref = np.asarray(run(*host[:1], 3, *host[1:], k, "reference", return_state=False))
             np.testing.assert_array_equal(got, ref, err_msg=f"reference k={k}")
-            if _ffi.has_target("cpu", "dsv4_indexer_topk"):
-                c = np.asarray(run(*host[:1], 3, *host[1:], k, "cpu", return_state=False))
-                np.testing.assert_array_equal(got, c, err_msg=f"cpu k={k}")
 
 
 def has_cuda_target():
