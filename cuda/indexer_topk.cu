@@ -3,8 +3,9 @@
 //
 // Two launches on the handler's stream, no host sync, no allocation (the
 // per-entry rank keys live in the op's `scratch` result):
-//  1. ScoreKernel, grid (T, entry chunks of 256): the token's q (as fp32) and
-//     weights in shared memory; one thread per visible entry reads its key
+//  1. ScoreKernelSplit (default; ScoreKernel with DSV4_INDEXER_SCORE=entry),
+//     grid (T, entry chunks): the token's q (as fp32) and
+//     weights in shared memory; one thread (or 4 lanes) per visible entry reads its key
 //     through the block table (4 x 16-byte loads + the 4 scale bytes),
 //     decodes it into 128 registers and computes the score in the fixed
 //     order; it stores the rank key (0 for an entry of a missing block).
@@ -14,6 +15,7 @@
 //     in shared memory orders them (key descending, index ascending).
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "handlers_cuda.h"
@@ -115,6 +117,86 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(IndexerTopkArgs a) 
   *out = IndexRankKey(score);
 }
 
+// Same scores, four lanes per entry: lane b of a group of 4 holds the 32
+// key values of block b and forms blk[b] for every head; the group swaps the
+// four block sums by shuffles and every lane finishes d, the head term and
+// the running score identically (lane 0 stores). A quarter of the registers
+// and of the serial chain of ScoreKernel per entry. q sits in shared memory
+// with 4 floats of padding after each 32-float block, so the four lanes'
+// 16-byte reads of one head fall in distinct banks.
+constexpr int kGroupEntries = kScoreThreads / 4;
+constexpr int kQBlockStride = kMxfp4Block + 4;
+constexpr int kQHeadStride = kIndexScales * kQBlockStride;
+
+__global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArgs a) {
+  __shared__ __align__(16) float qs[kIndexHeads * kQHeadStride];
+  __shared__ float ws[kIndexHeads];
+  const int64_t t = blockIdx.x;
+  const TokenInfo ti = ReadToken(a, t);
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * kGroupEntries;
+  if (!ti.ok || first >= ti.n) return;
+  const uint4* qg = reinterpret_cast<const uint4*>(a.q + t * kIndexHeads * kIndexDim);
+  for (int v = threadIdx.x; v < kIndexHeads * kIndexDim / 8; v += kScoreThreads) {
+    uint4 raw = qg[v];
+    uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+    const int c0 = 8 * v;                     // first channel of these 8 (same head, block)
+    float* dst = qs + (c0 / kIndexDim) * kQHeadStride + ((c0 % kIndexDim) / kMxfp4Block) * kQBlockStride +
+                 c0 % kMxfp4Block;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      dst[2 * e] = num::BitsFloat(w4[e] << 16);
+      dst[2 * e + 1] = num::BitsFloat(w4[e] & 0xffff0000u);
+    }
+  }
+  if (threadIdx.x < kIndexHeads) ws[threadIdx.x] = a.weights[t * kIndexHeads + threadIdx.x];
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31;
+  const int b = threadIdx.x & 3;
+  const unsigned group = 0xfu << (lane & ~3);
+  const int64_t i = first + (threadIdx.x >> 2);
+  if (i >= ti.n) return;                      // whole groups leave together
+  uint32_t* out = a.scratch + t * a.E + i;
+  const int64_t block = a.block_table[ti.slot * a.MB + i / kPerBlock];
+  if (block < 0 || block >= a.N) {
+    if (b == 0) *out = 0;
+    return;
+  }
+  const int64_t row = (static_cast<int64_t>(*a.layer) * a.N + block) * kPerBlock + i % kPerBlock;
+  const uint4 p4 = reinterpret_cast<const uint4*>(a.packed + row * kIndexPacked)[b];
+  const float s = num::E8m0ToF32(a.scale[row * kIndexScales + b]);
+  const uint32_t w4[4] = {p4.x, p4.y, p4.z, p4.w};
+  float k[kMxfp4Block];
+#pragma unroll
+  for (int c = 0; c < kMxfp4Block; ++c) k[c] = E2m1Value(w4[c / 8] >> (4 * (c % 8))) * s;
+  const float4* qb = reinterpret_cast<const float4*>(qs + b * kQBlockStride);
+  float score = 0.f;
+#pragma unroll 2
+  for (int h = 0; h < kIndexHeads; ++h) {
+    const float4* qh = qb + h * (kQHeadStride / 4);
+    float4 v = qh[0];
+    float acc = k[0] * v.x;
+    acc = acc + k[1] * v.y;
+    acc = acc + k[2] * v.z;
+    acc = acc + k[3] * v.w;
+#pragma unroll
+    for (int g = 1; g < 8; ++g) {
+      v = qh[g];
+      acc = acc + k[4 * g] * v.x;
+      acc = acc + k[4 * g + 1] * v.y;
+      acc = acc + k[4 * g + 2] * v.z;
+      acc = acc + k[4 * g + 3] * v.w;
+    }
+    const float b0 = __shfl_sync(group, acc, 0, 4);
+    const float b1 = __shfl_sync(group, acc, 1, 4);
+    const float b2 = __shfl_sync(group, acc, 2, 4);
+    const float b3 = __shfl_sync(group, acc, 3, 4);
+    const float c = IndexHeadTerm(b0, b1, b2, b3, ws[h]);
+    score = h == 0 ? c : score + c;
+  }
+  if (b == 0) *out = IndexRankKey(score);
+}
+
 // Inclusive sum over the block's threads of one value each; returns the
 // exclusive prefix and (via *total) the block total. `warp_sums` holds
 // kSelectThreads / 32 ints.
@@ -174,9 +256,15 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     const int shift = 24 - 8 * pass;
     for (int b = tid; b < 256; b += kSelectThreads) hist[b] = 0;
     __syncthreads();
-    for (int64_t i = tid; i < n; i += kSelectThreads) {
-      const uint32_t key = keys[i];
-      if (key != 0 && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+    // one shared atomic per distinct bin in a warp (scores often share
+    // their top bits, and same-address atomics serialize)
+    for (int64_t start = 0; start < n; start += kSelectThreads) {
+      const int64_t i = start + tid;
+      const uint32_t key = i < n ? keys[i] : 0u;
+      const bool hit = key != 0 && (key & mask) == prefix;
+      const uint32_t bin = hit ? (key >> shift) & 255u : 256u;
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (hit && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
     }
     __syncthreads();
     if (tid < 32) {
@@ -269,6 +357,17 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     out[r] = r < m ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(sel[r])) : -1;
 }
 
+// Which score kernel runs: the four-lanes-per-entry one unless
+// DSV4_INDEXER_SCORE=entry (one thread per entry) is set; read once, on the
+// host. Both give the same bits; the switch exists to compare them.
+bool SplitScores() {
+  static const bool split = [] {
+    const char* v = std::getenv("DSV4_INDEXER_SCORE");
+    return !(v && std::string(v) == "entry");
+  }();
+  return split;
+}
+
 ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                            ffi::AnyBuffer token_pos, ffi::AnyBuffer q, ffi::AnyBuffer weights,
                            ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
@@ -288,8 +387,16 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
     const int64_t chunks = (a.E + kScoreThreads - 1) / kScoreThreads;
     if (chunks > 65535 || a.T > 0x7fffffff)
       return ffi::Error::InvalidArgument("indexer_topk: too many tokens or entries for one grid");
-    ScoreKernel<<<dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(chunks)), kScoreThreads,
-                  0, stream>>>(a);
+    if (SplitScores()) {
+      const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
+      if (groups > 65535)
+        return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
+      ScoreKernelSplit<<<dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(groups)),
+                         kScoreThreads, 0, stream>>>(a);
+    } else {
+      ScoreKernel<<<dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(chunks)),
+                    kScoreThreads, 0, stream>>>(a);
+    }
   }
   int kp = 1;
   while (kp < a.K) kp <<= 1;
