@@ -3,12 +3,13 @@
 //
 // Two launches on the handler's stream, no host sync, no allocation (the
 // per-entry rank keys live in the op's `scratch` result):
-//  1. ScoreKernelSplit (default; ScoreKernel with DSV4_INDEXER_SCORE=entry),
-//     grid (T, entry chunks): the token's q (as fp32) and
-//     weights in shared memory; one thread (or 4 lanes) per visible entry reads its key
-//     through the block table (4 x 16-byte loads + the 4 scale bytes),
-//     decodes it into 128 registers and computes the score in the fixed
-//     order; it stores the rank key (0 for an entry of a missing block).
+//  1. ScoreKernel (or ScoreKernelSplit for small grids, see SplitScores),
+//     grid (T, entry chunks): the token's q (as fp32) and weights in shared
+//     memory; one thread per visible entry reads its key through the block
+//     table (4 x 16-byte loads + the 4 scale bytes), decodes it into 128
+//     registers and computes the score in the fixed order (the split kernel:
+//     4 lanes per entry, one 32-channel block each); it stores the rank key
+//     (0 for an entry of a missing block).
 //  2. SelectKernel, one block per token: an MSB-first radix select (4 passes
 //     of 8 bits) finds the k-th largest key; one ordered pass collects the
 //     keys above it and the lowest-indexed keys equal to it; a bitonic sort
@@ -256,15 +257,9 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     const int shift = 24 - 8 * pass;
     for (int b = tid; b < 256; b += kSelectThreads) hist[b] = 0;
     __syncthreads();
-    // one shared atomic per distinct bin in a warp (scores often share
-    // their top bits, and same-address atomics serialize)
-    for (int64_t start = 0; start < n; start += kSelectThreads) {
-      const int64_t i = start + tid;
-      const uint32_t key = i < n ? keys[i] : 0u;
-      const bool hit = key != 0 && (key & mask) == prefix;
-      const uint32_t bin = hit ? (key >> shift) & 255u : 256u;
-      const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      if (hit && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+    for (int64_t i = tid; i < n; i += kSelectThreads) {
+      const uint32_t key = keys[i];
+      if (key != 0 && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
     }
     __syncthreads();
     if (tid < 32) {
@@ -357,15 +352,22 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     out[r] = r < m ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(sel[r])) : -1;
 }
 
-// Which score kernel runs: the four-lanes-per-entry one unless
-// DSV4_INDEXER_SCORE=entry (one thread per entry) is set; read once, on the
-// host. Both give the same bits; the switch exists to compare them.
-bool SplitScores() {
-  static const bool split = [] {
+// Which score kernel runs. Both give the same bits. On an H100 (see
+// benchmarks/RESULTS-indexer.md) the four-lane kernel is faster only while
+// the grid is small (it is bound by shared-memory wavefronts: its lanes read
+// four distinct q addresses per load where the one-thread kernel's warp reads
+// one), so it runs when T * E <= kSplitMaxWork. DSV4_INDEXER_SCORE=entry or
+// =split forces one (read once, on the host) for comparisons.
+constexpr int64_t kSplitMaxWork = 16384;
+
+bool SplitScores(int64_t T, int64_t E) {
+  static const int forced = [] {
     const char* v = std::getenv("DSV4_INDEXER_SCORE");
-    return !(v && std::string(v) == "entry");
+    if (v && std::string(v) == "entry") return 0;
+    if (v && std::string(v) == "split") return 1;
+    return -1;
   }();
-  return split;
+  return forced >= 0 ? forced == 1 : T * E <= kSplitMaxWork;
 }
 
 ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
@@ -387,7 +389,7 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
     const int64_t chunks = (a.E + kScoreThreads - 1) / kScoreThreads;
     if (chunks > 65535 || a.T > 0x7fffffff)
       return ffi::Error::InvalidArgument("indexer_topk: too many tokens or entries for one grid");
-    if (SplitScores()) {
+    if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)
         return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
