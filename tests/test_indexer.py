@@ -433,3 +433,55 @@ def has_cuda_target():
         return bool(jax.devices("cuda")) and _ffi.has_target("cuda", "dsv4_indexer_topk")
     except RuntimeError:
         return False
+
+
+@pytest.mark.parametrize("impl", ["reference", pytest.param("cpu", marks=[requires_cpu_ffi,
+                                                                          needs_cpu_target])])
+def test_sharded_equals_each_shard_alone(impl):
+    """Under shard_map over 2 CPU devices each shard ranks its own requests'
+    keys (shard-local slots and blocks) exactly as an unsharded state of that
+    shard does; errors land in the shard's own counters."""
+    from jax.sharding import Mesh
+    from dsv4_jax.sharding import init_sharded_state, shard_config
+    from test_sharding import unshard
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = Mesh(np.array(devices[:2]), ("data",))
+    cfg = shard_config(D.CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=8), mesh,
+                       "data")
+    state = init_sharded_state(cfg, mesh)
+    rng = np.random.default_rng(17)
+    Lc, N = state.csa.index.packed.shape[:2]
+    packed = rng.integers(0, 256, (Lc, N, 32, 64), dtype=np.uint8)
+    scale = rng.integers(119, 132, (Lc, N, 32, 4), dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    # per shard (2 slots, 4 blocks each): slot 0 owns local blocks 3,1; slot 1
+    # owns 0 and a missing one
+    bt = np.full((4, 4), -1, np.int32)
+    for k in range(2):
+        bt[2 * k, :2] = [3, 1]
+        bt[2 * k + 1, :2] = [0, -1]
+    put = lambda x, like: jax.device_put(x, like.sharding)
+    state = dataclasses.replace(
+        state, block_table=put(bt, state.block_table),
+        csa=dataclasses.replace(state.csa, index=D.IndexerKeys(
+            put(packed, state.csa.index.packed), put(scale, state.csa.index.scale))))
+    # 3 tokens per shard, slots local to their shard
+    slot = np.array([0, 1, -1, 1, 0, 5], np.int32)
+    pos = np.array([255, 200, 0, 100, 130, 7], np.int32)
+    q, w = queries(rng, 6)
+    k = 24
+    with jax.set_mesh(mesh):
+        got, st2 = jax.jit(lambda st, s, p, q, w: D.indexer_topk(
+            st, 1, s, p, q, w, k, impl=impl, return_state=True))(
+                state, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q), jnp.asarray(w))
+    got = np.asarray(got)
+    for sh, local in enumerate(unshard(state, cfg)):
+        rows = slice(3 * sh, 3 * sh + 3)
+        want, _ = expected(local, 1, slot[rows], pos[rows], q[rows], w[rows], k)
+        np.testing.assert_array_equal(got[rows], want, err_msg=f"shard {sh}")
+    err = np.asarray(st2.errors).reshape(2, -1)
+    # shard 0: token 1 (slot 1, pos 200 -> 50 entries) needs logical block 1: missing
+    assert err[0, EK.MISSING_BLOCK] == 1 and err[0].sum() == 1
+    # shard 1: token 3 (slot 1, pos 100 -> 25 entries) fine; slot 5 is out of range
+    assert err[1, EK.BAD_SLOT] == 1 and err[1].sum() == 1
