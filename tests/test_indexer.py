@@ -485,3 +485,27 @@ def test_sharded_equals_each_shard_alone(impl):
     assert err[0, EK.MISSING_BLOCK] == 1 and err[0].sum() == 1
     # shard 1: token 3 (slot 1, pos 100 -> 25 entries) fine; slot 5 is out of range
     assert err[1, EK.BAD_SLOT] == 1 and err[1].sum() == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_k_above_table_and_no_tokens(impl):
+    """k larger than every possible entry (E = 128): visible ones first, then
+    -1; an empty batch gives an empty result and counts only a bad layer."""
+    rng = np.random.default_rng(8)
+    st = make_state(rng, R=2, max_context=512, blocks={0: [1, 0, 3, 2]})
+    q, w = queries(rng, 2)
+    slot = np.array([0, 0], np.int32)
+    pos = np.array([511, 63], np.int32)
+    got = np.asarray(run(st, 1, slot, pos, q, w, 300, impl, return_state=False))
+    want, _ = expected(st, 1, slot, pos, q, w, 300)
+    np.testing.assert_array_equal(got, want)
+    assert (got[0] >= 0).sum() == 128 and (got[1] >= 0).sum() == 16
+    f = jax.jit(lambda st, lay: D.indexer_topk(st, lay, jnp.zeros(0, jnp.int32),
+                                               jnp.zeros(0, jnp.int32),
+                                               jnp.zeros((0, 64, 128), jnp.bfloat16),
+                                               jnp.zeros((0, 64), jnp.float32), 4, impl=impl,
+                                               return_state=True))
+    idx, st2 = f(st, jnp.int32(1))
+    assert idx.shape == (0, 4) and not np.any(np.asarray(st2.errors))
+    idx, st2 = f(st, jnp.int32(0))
+    assert np.asarray(st2.errors)[EK.BAD_LAYER] == 1 and np.asarray(st2.errors).sum() == 1
