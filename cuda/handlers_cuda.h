@@ -5,4 +5,5 @@
 
 namespace dsv4 {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ApplyStepCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(IndexerTopkCuda);
 }  // namespace dsv4

@@ -13,6 +13,7 @@ NB_MODULE(_dsv4_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
     targets["dsv4_apply_step"] = nb::capsule(reinterpret_cast<void*>(dsv4::ApplyStepCuda));
+    targets["dsv4_indexer_topk"] = nb::capsule(reinterpret_cast<void*>(dsv4::IndexerTopkCuda));
     return targets;
   });
   dsv4::BindNumericsProbe(m);

@@ -26,6 +26,7 @@ NB_MODULE(_dsv4_cpu, m) {
     targets["dsv4_gather_window"] = Capsule(dsv4::GatherWindowCpu);
     targets["dsv4_gather_topk"] = Capsule(dsv4::GatherTopkCpu);
     targets["dsv4_gather_all"] = Capsule(dsv4::GatherAllCpu);
+    targets["dsv4_indexer_topk"] = Capsule(dsv4::IndexerTopkCpu);
     return targets;
   });
   dsv4::BindNumerics(m);

@@ -8,6 +8,7 @@ The public ops (dsv4_jax.ops) check arguments and call these with:
   gather_window(state, layer_idx, slots) -> (kv, pos, errors)
   gather_topk(state, kind_idx, token_slot, token_pos, indices) -> (kv, valid, errors)
   gather_all(state, kind_idx, slots, lengths, max_entries) -> (kv, count, errors)
+  indexer_topk(state, kind_idx, token_slot, token_pos, q, weights, k) -> (indices, errors)
 `layer_idx` / `kind_idx` are int32 scalars, -1 for a bad traced layer
 (count BAD_LAYER once, change nothing else). Semantics and error rules are in
 the docstrings of dsv4_jax/ops/*.py.
@@ -15,7 +16,8 @@ the docstrings of dsv4_jax/ops/*.py.
 from .apply_step import apply_step, pools_to_scrub as apply_step_pools, with_pools as apply_step_with_pools
 from .compressor import flush
 from .gather import gather_all, gather_topk
+from .indexer import indexer_topk
 from .window import append, gather_window
 
 __all__ = ["apply_step", "apply_step_pools", "apply_step_with_pools", "append", "flush",
-           "gather_window", "gather_topk", "gather_all"]
+           "gather_window", "gather_topk", "gather_all", "indexer_topk"]

@@ -1,0 +1,137 @@
+"""Benchmark of indexer_topk on the GPU: B decode tokens (one per request, each
+at the last position of its context) over the MXFP4 keys of one CSA layer.
+
+For each case: microseconds per call (median of repeats; each repeat is one
+jitted lax.scan of `--calls` calls, so dispatch cost is amortized), the
+bytes-moved floor (every visible key read once, 68 B each, plus q and the
+output) over the measured copy bandwidth, and the fp32 arithmetic floor
+(8192 multiplies + 8192 adds per entry and token, 128 lanes per SM).
+
+    python3 benchmarks/indexer.py [--json PATH] [--contexts 8192 65536 1048576]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsv4_jax as D
+
+KEY_BYTES = 68
+
+
+def copy_bandwidth(nbytes=1 << 30, reps=10):
+    """Device copy bandwidth in B/s (bytes read + bytes written)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return 2 * nbytes / min(ts)
+
+
+def make_state(B, ctx, seed=0):
+    cfg = D.CacheConfig.tiny(max_requests=B, max_context=ctx)
+    st = D.init_state(cfg)
+    Lc, N = st.csa.index.packed.shape[:2]
+    key = jax.random.PRNGKey(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    packed = jax.random.bits(k1, (Lc, N, 32, 64), jnp.uint8)
+    scale = jax.random.randint(k2, (Lc, N, 32, 4), 120, 132, jnp.int32).astype(jnp.uint8)
+    scale = jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu)
+    MB = cfg.max_blocks_per_request
+    bt = jax.random.permutation(k3, N)[:B * MB].reshape(B, MB).astype(jnp.int32)
+    csa = dataclasses.replace(st.csa, index=D.IndexerKeys(packed, scale))
+    return dataclasses.replace(st, block_table=bt, csa=csa)
+
+
+def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda"):
+    st = make_state(B, ctx)
+    rng = np.random.default_rng(1)
+    slot = jnp.arange(B, dtype=jnp.int32)
+    pos = jnp.full((B,), ctx - 1, jnp.int32)
+    qs = jnp.asarray(rng.standard_normal((calls, B, 64, 128)), jnp.bfloat16)
+    ws = jnp.asarray(rng.standard_normal((calls, B, 64)), jnp.float32)
+
+    @jax.jit
+    def many(st, qs, ws):
+        def body(c, qw):
+            idx = D.indexer_topk(st, 1, slot, pos, qw[0], qw[1], k, impl=impl)
+            return c + idx[:, 0].sum(), None
+        # unrolled: a rolled scan adds a device-to-host loop test per call
+        return jax.lax.scan(body, jnp.int32(0), (qs, ws), unroll=True)[0]
+
+    many(st, qs, ws).block_until_ready()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        many(st, qs, ws).block_until_ready()
+        ts.append((time.perf_counter() - t0) / calls)
+    us = statistics.median(ts) * 1e6
+    entries = ctx // 4
+    nbytes = B * (entries * KEY_BYTES + 64 * 128 * 2 + 64 * 4 + k * 4)
+    floor_bytes_us = nbytes / bw * 1e6
+    floor_ops_us = B * entries * 8192 * 2 / lane_rate * 1e6
+    del st
+    return dict(B=B, context=ctx, k=k, us=us, bytes=nbytes, floor_bytes_us=floor_bytes_us,
+                ratio_bytes=us / floor_bytes_us, floor_fp32_us=floor_ops_us,
+                ratio_fp32=us / floor_ops_us)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536, 1048576])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--impl", default="cuda", help="cuda (default) or cpu for a smoke run")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-work", type=float, default=3e3,
+                    help="skip cases with more than this many thousand entry-token scores "
+                         "(B=64 at 1M context: 22 GB of tiny-preset pools, over an H100's memory "
+                         "with the benchmark's temporaries)")
+    ap.add_argument("--sm-count", type=int, default=132)
+    ap.add_argument("--clock-ghz", type=float, default=1.98)
+    args = ap.parse_args()
+    dev = jax.devices()[0]
+    bw = copy_bandwidth(1 << 30 if args.impl == "cuda" else 1 << 26)
+    lane_rate = args.sm_count * 128 * args.clock_ghz * 1e9
+    variant = os.environ.get("DSV4_INDEXER_SCORE", "split")
+    print(f"score kernel: {variant}")
+    print(f"device {dev.device_kind}; copy bandwidth {bw / 1e12:.2f} TB/s; "
+          f"fp32 lane rate {lane_rate / 1e12:.1f} T op/s (nominal)", flush=True)
+    rows = []
+    for ctx in args.contexts:
+        for B in args.batches:
+            if B * ctx // 4 > args.max_work * 1e3:
+                print(f"skip B={B} ctx={ctx}", flush=True)
+                continue
+            r = bench(B, ctx, args.k, args.calls, args.repeats, bw, lane_rate, args.impl)
+            rows.append(r)
+            print(f"B={B:3d} ctx={ctx:8d}: {r['us']:10.1f} us", flush=True)
+    print()
+    print(f"{'B':>4} {'context':>8} {'k':>5} {'us/call':>10} {'keys MB':>8} {'floor us':>9} "
+          f"{'x floor':>8} {'fp32 us':>9} {'x fp32':>7}")
+    for r in rows:
+        print(f"{r['B']:4d} {r['context']:8d} {r['k']:5d} {r['us']:10.1f} {r['bytes'] / 1e6:8.2f} "
+              f"{r['floor_bytes_us']:9.2f} {r['ratio_bytes']:8.1f} {r['floor_fp32_us']:9.1f} "
+              f"{r['ratio_fp32']:7.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=dev.device_kind, score_kernel=variant, copy_bandwidth=bw, lane_rate=lane_rate,
+                           rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

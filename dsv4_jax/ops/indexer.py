@@ -1,0 +1,105 @@
+"""The lightning indexer's top-k over the MXFP4 keys of a CSA layer (issue 9).
+
+indexer_topk(state, layer, token_slot[T], token_pos[T], q bf16[T, 64, 128],
+             weights f32[T, 64], k) -> indices i32[T, k]
+
+For query token t (slot s, position p) the candidates are the entries
+i < (p + 1) // 4 of request s in that CSA layer (capped at the block table:
+i < MB * 32), read through the block table (block_table[s, i // 32], row
+i % 32). Each gets
+
+    score_i = sum_h w[t, h] * relu(q[t, h] . key_i)
+
+and the result lists the k best candidates by descending score, equal scores
+by ascending index, then -1 where fewer than k exist. Every returned index
+is visible and in an existing block, so it can be fed to gather_topk as is.
+
+Rules per token (gather_topk's): slot -1 -> all -1, nothing counted; slot
+outside [0, R) -> BAD_SLOT, all -1; pos < 0 -> BAD_POSITION, all -1; a
+logical block the token needs (j * 32 < visible count) whose table entry is
+outside [0, N) -> MISSING_BLOCK once for that block, its 32 entries are not
+candidates. A bad traced layer -> BAD_LAYER once, every row -1. With
+`return_state=True` the state comes back too, its `errors` updated.
+
+Arithmetic (identical in the jnp reference, the C++ handler and the CUDA
+kernel, so the three return the same indices in the same order):
+  key  k[c] = e2m1(code c) * 2^(scale byte - 127)       exact in fp32
+  q    bf16 widened to fp32                             exact
+  per head h and block b (channels 32b .. 32b+31):
+       blk[b] = k[32b]*q[h,32b]; blk[b] = blk[b] + k[32b+j]*q[h,32b+j], j = 1..31
+       (each product is exact: 2 significant bits times 8)
+  d[h] = ((blk[0] + blk[1]) + blk[2]) + blk[3]
+  r[h] = d[h] > 0 ? d[h] : 0                            (NaN -> 0)
+  c[h] = w[h] * r[h]                                    (one fp32 rounding)
+  score = c[0]; score = score + c[h], h = 1..63
+All fp32, round to nearest even, no FMA contraction of c into the sum, no
+flushing of subnormals (a backend that flushes them may differ on keys with
+scale byte 0, which the quantizer never writes). For ranking, a NaN score
+counts as -inf and -0 as +0. q is taken as given (no MXFP4 simulation of the
+query).
+
+FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
+  args  layer i32[] (CSA index, -1 = bad), token_slot i32[T], token_pos i32[T],
+        q bf16[T, 64, 128], weights f32[T, 64], block_table i32[R, MB],
+        errors i32[8], csa.index.packed u8[Lc, N, 32, 64],
+        csa.index.scale e8m0[Lc, N, 32, 4]
+  rets  indices i32[T, k], scratch u32[T, MB * 32] (per-entry rank keys; the
+        handlers' working memory, discarded), errors (aliased)
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import config as C
+from .. import reference
+from ..sharding import run_sharded
+from ..state import CacheState
+from ._dispatch import check_array, check_state, ffi_call, resolve_impl
+from ._layer import layer_operand, pick_layer, traced_layer
+
+_I32 = jnp.int32
+MAX_K = 4096   # the CUDA kernel sorts the selection in shared memory
+
+
+def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
+                 q: jax.Array, weights: jax.Array, k: int, *, impl: str = "auto",
+                 return_state: bool = False):
+    """Top-k CSA entries per query token by indexer score: indices i32[T, k]
+    (-1 padded), best first. See the module docstring for the rules."""
+    check_state(state)
+    cfg = state.config
+    check_array("token_slot", token_slot, (None,), _I32)
+    T = token_slot.shape[0]
+    check_array("token_pos", token_pos, (T,), _I32)
+    check_array("q", q, (T, C.INDEX_HEADS, C.INDEX_DIM), jnp.bfloat16)
+    check_array("weights", weights, (T, C.INDEX_HEADS), (jnp.float32, jnp.bfloat16))
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ValueError(f"k: expected an int in [1, {MAX_K}], got {k!r}")
+    weights = weights.astype(jnp.float32)
+    if cfg.sharded:
+        def body(st, *args):
+            return indexer_topk(st, pick_layer(layer, args[4:]), *args[:4], k, impl=impl,
+                                return_state=return_state)
+        outs = ("rows", "state") if return_state else "rows"
+        return run_sharded(body, state, [token_slot, token_pos, q, weights],
+                           traced_layer(layer), outs)
+    layer_idx = layer_operand(cfg, layer, C.CSA)
+    target = "dsv4_indexer_topk"
+    impl = resolve_impl(impl, target, [state.block_table])
+    if impl == "reference":
+        indices, errors = reference.indexer_topk(state, layer_idx, token_slot, token_pos, q,
+                                                 weights, k)
+    else:
+        E = cfg.max_blocks_per_request * (C.BLOCK_TOKENS // C.CSA_RATIO)
+        indices, _, errors = ffi_call(
+            target, [layer_idx, token_slot, token_pos, q, weights, state.block_table,
+                     state.errors, state.csa.index.packed, state.csa.index.scale],
+            [jax.ShapeDtypeStruct((T, k), _I32),
+             jax.ShapeDtypeStruct((T, E), jnp.uint32),
+             jax.ShapeDtypeStruct(state.errors.shape, _I32)],
+            {6: 2})
+    if not return_state:
+        return indices
+    return indices, CacheState(state.block_table, state.swa, state.csa, state.hca, errors,
+                               state.config)

@@ -1,0 +1,119 @@
+"""The lightning indexer's top-k selection over the MXFP4 keys of a CSA layer
+(rules and arithmetic order in dsv4_jax/ops/indexer.py), in pure jnp.
+
+Every float sum is written as a chain of adds over slices, so XLA evaluates
+it in exactly the documented order (XLA does not reassociate float adds; no
+jnp.sum / dot, whose order is the backend's). Every product k * q is exact
+(a 2-bit-mantissa key times a bf16 query fits in fp32), so fusing it into an
+FMA could not change a bit either; the weighted head terms w * relu(d) are
+not exact, so they pass an optimization barrier before they are summed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import config as C
+from ..errors import ErrorKind
+from ..state import CacheState
+from . import quant
+from ._rows import add_errors, count, layer_ok, read_index
+
+_I32 = jnp.int32
+_CHUNK_BLOCKS = 8          # logical blocks (of 32 entries) scored per map step
+_SENTINEL = np.int32(np.iinfo(np.int32).min)   # rank key of a non-candidate
+
+
+def visible_entries(token_pos, limit: int):
+    """min((pos + 1) // 4, limit) for pos >= 0, without overflowing int32 at
+    pos = 2^31 - 1."""
+    n = token_pos // C.CSA_RATIO + (token_pos % C.CSA_RATIO == C.CSA_RATIO - 1)
+    return jnp.minimum(n, limit)
+
+
+def score_entries(kf, qf, w):
+    """Scores f32[n] of dequantized keys kf f32[n, 128] for one query
+    (qf f32[64, 128], w f32[64]) in the fixed order."""
+    kb = kf.reshape(kf.shape[0], 1, C.INDEX_SCALES, C.MXFP4_BLOCK)
+    qb = qf.reshape(1, C.INDEX_HEADS, C.INDEX_SCALES, C.MXFP4_BLOCK)
+    prod = kb * qb                                   # [n, 64, 4, 32], exact
+    blk = prod[..., 0]
+    for j in range(1, C.MXFP4_BLOCK):                # j = 0..31 in order
+        blk = blk + prod[..., j]
+    d = ((blk[..., 0] + blk[..., 1]) + blk[..., 2]) + blk[..., 3]   # [n, 64]
+    r = jnp.where(d > 0, d, jnp.float32(0))          # ReLU; NaN -> 0
+    c = jax.lax.optimization_barrier(w[None, :] * r)
+    s = c[:, 0]
+    for h in range(1, C.INDEX_HEADS):                # h = 0..63 in order
+        s = s + c[:, h]
+    return s
+
+
+def rank_keys(score):
+    """int32 keys ordered like the scores: NaN ranks as -inf, -0 as +0."""
+    s = jnp.where(jnp.isnan(score), jnp.float32(-jnp.inf), score)
+    s = jnp.where(s == 0, jnp.float32(0), s)
+    b = jax.lax.bitcast_convert_type(s, _I32)
+    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+
+
+def indexer_topk(state: CacheState, kind_idx, token_slot, token_pos, q, weights, k: int):
+    """indices i32[T, k], errors. See dsv4_jax/ops/indexer.py."""
+    cfg = state.config
+    R, MB, N = cfg.max_requests, cfg.max_blocks_per_request, cfg.num_blocks
+    per_block = C.BLOCK_TOKENS // C.CSA_RATIO
+    E = MB * per_block
+    Lc = state.csa.comp.shape[0]
+    ok_layer = layer_ok(kind_idx, Lc)
+    T = token_slot.shape[0]
+
+    slot_ok = (token_slot >= 0) & (token_slot < R)
+    bad_slot = (token_slot != -1) & ~slot_ok
+    bad_pos = slot_ok & (token_pos < 0)
+    row_ok = slot_ok & ~bad_pos & ok_layer
+    n_vis = jnp.where(row_ok, visible_entries(token_pos, E), 0)          # [T]
+
+    blocks = state.block_table[read_index(token_slot, R)]                # [T, MB]
+    logical = jnp.arange(MB, dtype=_I32)[None, :]
+    needed = logical * per_block < n_vis[:, None]
+    missing = needed & ((blocks < 0) | (blocks >= N))
+    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
+                                                 ErrorKind.BAD_POSITION: count(bad_pos),
+                                                 ErrorKind.MISSING_BLOCK: count(missing)})
+
+    layer = read_index(kind_idx, Lc)
+    packed = state.csa.index.packed[layer]                               # [N, 32, 64]
+    scale = state.csa.index.scale[layer]                                 # [N, 32, 4]
+    nchunks = -(-MB // _CHUNK_BLOCKS)
+    MBp = nchunks * _CHUNK_BLOCKS
+    usable = jnp.pad(needed & ~missing, ((0, 0), (0, MBp - MB)))
+    blocks = jnp.pad(blocks, ((0, 0), (0, MBp - MB)))
+    qf = q.astype(jnp.float32)
+    wf = weights.astype(jnp.float32)
+    Ep = MBp * per_block
+
+    def one_token(args):
+        blk_t, use_t, q_t, w_t, n_t = args
+
+        def chunk(c):
+            sl = jax.lax.dynamic_slice_in_dim(blk_t, c * _CHUNK_BLOCKS, _CHUNK_BLOCKS)
+            b = read_index(sl, N)
+            kf = quant.dequantize_mxfp4(packed[b], scale[b])             # [8, 32, 128]
+            return score_entries(kf.reshape(-1, C.INDEX_DIM), q_t, w_t)
+        scores = jax.lax.map(chunk, jnp.arange(nchunks, dtype=_I32)).reshape(Ep)
+        i = jnp.arange(Ep, dtype=_I32)
+        cand = jnp.repeat(use_t, per_block) & (i < n_t)
+        key = jnp.where(cand, rank_keys(scores), _SENTINEL)
+        if Ep < k:
+            key = jnp.pad(key, (0, k - Ep), constant_values=_SENTINEL)
+            i = jnp.arange(k, dtype=_I32)
+        # ascending in ~key = descending key; equal keys by ascending index
+        _, order = jax.lax.sort((~key, i), num_keys=2)
+        top = order[:k]
+        return jnp.where(key[top] != _SENTINEL, top, -1)
+
+    if T == 0:
+        return jnp.zeros((0, k), _I32), errors
+    idx = jax.lax.map(one_token, (blocks, usable, qf, wf, n_vis))
+    return idx.astype(_I32), errors

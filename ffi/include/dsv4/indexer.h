@@ -1,0 +1,89 @@
+// Scoring of the lightning indexer (dsv4_jax/ops/indexer.py), shared by the
+// CPU handler and the CUDA kernel. The arithmetic order is part of the
+// contract: all three implementations produce the same fp32 score bits, so
+// they rank entries identically.
+//
+//   k[c]   = e2m1(code c) * 2^(scale byte - 127)              (exact)
+//   blk[b] = k[32b] q[h,32b] + k[32b+1] q[h,32b+1] + ... + k[32b+31] q[h,32b+31]
+//            summed left to right (every product is exact)
+//   d      = ((blk[0] + blk[1]) + blk[2]) + blk[3]
+//   c[h]   = w[h] * (d > 0 ? d : 0)
+//   score  = c[0] + c[1] + ... + c[63], left to right
+//
+// Ranking key: a uint32 that orders like the score, with NaN as -inf and -0
+// as +0; 0 is below every score and marks a non-candidate.
+#pragma once
+
+#include <cstdint>
+
+#include "dsv4/layout.h"
+#include "dsv4/numerics.h"
+
+namespace dsv4 {
+
+constexpr int kIndexHeads = 64;
+constexpr int kMxfp4Block = 32;
+
+// One MXFP4 key (64 packed bytes, element 2j in the low nibble; 4 scale
+// bytes) -> 128 fp32 values.
+// An e2m1 code (low 4 bits) as fp32, from bits alone (no table, so a GPU
+// thread keeps it in registers): magnitude code m = 2e + f is f * 0.5 for
+// e = 0, else 2^(e-1) * (1 + f / 2); the sign is bit 3. Equals
+// num::E2m1ToF32, -0 for code 8 included.
+DSV4_HD float E2m1Value(uint32_t c) {
+  uint32_t e = (c >> 1) & 3u, f = c & 1u;
+  uint32_t mag = e ? (((e + 126u) << 23) | (f << 22)) : (f ? 0x3f000000u : 0u);
+  return num::BitsFloat(mag | ((c & 8u) << 28));
+}
+
+DSV4_HD void DecodeIndexKey(const uint8_t* packed, const uint8_t* scales, float* k) {
+  for (int b = 0; b < kIndexScales; ++b) {
+    float s = num::E8m0ToF32(scales[b]);
+    for (int j = 0; j < kMxfp4Block / 2; ++j) {
+      uint8_t byte = packed[16 * b + j];
+      k[32 * b + 2 * j] = E2m1Value(byte & 15u) * s;
+      k[32 * b + 2 * j + 1] = E2m1Value(byte >> 4) * s;
+    }
+  }
+}
+
+// The head term w * relu(d) from the four block sums of one head.
+DSV4_HD float IndexHeadTerm(float b0, float b1, float b2, float b3, float w) {
+  float d = ((b0 + b1) + b2) + b3;
+  return w * (d > 0.f ? d : 0.f);
+}
+
+// The score of one key k[128] for a query q[64 * 128] (fp32 values of bf16)
+// with head weights w[64].
+DSV4_HD float IndexScore(const float* k, const float* q, const float* w) {
+  float score = 0.f;
+  for (int h = 0; h < kIndexHeads; ++h) {
+    float blk[kIndexScales];
+    for (int b = 0; b < kIndexScales; ++b) {
+      const float* kb = k + kMxfp4Block * b;
+      const float* qb = q + h * kIndexDim + kMxfp4Block * b;
+      float a = kb[0] * qb[0];
+      for (int j = 1; j < kMxfp4Block; ++j) a = a + kb[j] * qb[j];
+      blk[b] = a;
+    }
+    float c = IndexHeadTerm(blk[0], blk[1], blk[2], blk[3], w[h]);
+    score = h == 0 ? c : score + c;
+  }
+  return score;
+}
+
+DSV4_HD uint32_t IndexRankKey(float s) {
+  if (num::IsNan(s)) s = num::NegInf();
+  if (s == 0.f) s = 0.f;
+  uint32_t u = num::FloatBits(s);
+  uint32_t key = (u & 0x80000000u) ? (u ^ 0x7fffffffu) : u;  // signed order
+  return key ^ 0x80000000u;                                   // to unsigned order
+}
+
+// Entries a query at position p >= 0 may see: (p + 1) / 4, capped at `limit`.
+DSV4_HD int64_t IndexVisible(int64_t p, int64_t limit) {
+  int64_t n = (p + 1) / kCsaRatio;
+  return n < limit ? n : limit;
+}
+
+}  // namespace dsv4

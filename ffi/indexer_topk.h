@@ -1,0 +1,100 @@
+// dsv4_indexer_topk: operands, binding and validation shared by the CPU and
+// CUDA handlers. Rules and arithmetic: dsv4_jax/ops/indexer.py and
+// dsv4/indexer.h.
+//   args  layer s32[] (CSA index, -1 = bad), token_slot s32[T], token_pos s32[T],
+//         q bf16[T,64,128], weights f32[T,64], block_table s32[R,MB], errors s32[8],
+//         index.packed u8[Lc,N,32,64], index.scale e8m0[Lc,N,32,4]
+//   rets  indices s32[T,k], scratch u32[T,MB*32] (rank keys; working memory),
+//         errors (aliased)
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "dsv4/entry_checks.h"
+#include "dsv4/ffi_checks.h"
+#include "dsv4/indexer.h"
+#include "dsv4/layout.h"
+
+namespace dsv4 {
+
+struct IndexerTopkArgs {
+  int64_t T = 0, K = 0, R = 0, MB = 0, L = 0, N = 0, E = 0;  // E = MB * 32
+  const int32_t* layer = nullptr;
+  const int32_t* slot = nullptr;
+  const int32_t* pos = nullptr;
+  const uint16_t* q = nullptr;      // bf16 bits
+  const float* weights = nullptr;
+  const int32_t* block_table = nullptr;
+  const uint8_t* packed = nullptr;  // [L, N, 32, 64]
+  const uint8_t* scale = nullptr;   // [L, N, 32, 4]
+  int32_t* indices = nullptr;
+  uint32_t* scratch = nullptr;      // [T, E]
+  int32_t* errors = nullptr;
+};
+
+template <typename Binding>
+auto BindIndexerTopk(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // layer
+      .template Arg<ffi::AnyBuffer>()  // token_slot
+      .template Arg<ffi::AnyBuffer>()  // token_pos
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // weights
+      .template Arg<ffi::AnyBuffer>()  // block_table
+      .template Arg<ffi::AnyBuffer>()  // errors
+      .template Arg<ffi::AnyBuffer>()  // index.packed
+      .template Arg<ffi::AnyBuffer>()  // index.scale
+      .template Ret<ffi::AnyBuffer>()  // indices
+      .template Ret<ffi::AnyBuffer>()  // scratch
+      .template Ret<ffi::AnyBuffer>();  // errors
+}
+
+inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
+                                      ffi::AnyBuffer token_pos, ffi::AnyBuffer q,
+                                      ffi::AnyBuffer weights, ffi::AnyBuffer block_table,
+                                      ffi::AnyBuffer errors_in, ffi::AnyBuffer packed,
+                                      ffi::AnyBuffer scale, ffi::AnyBuffer indices,
+                                      ffi::AnyBuffer scratch, ffi::AnyBuffer errors,
+                                      IndexerTopkArgs* out) {
+  IndexerTopkArgs a;
+  DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {-1}));
+  a.T = token_slot.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("token_pos", token_pos, ffi::DataType::S32, {a.T}));
+  DSV4_RETURN_IF_ERROR(
+      CheckBuffer("q", q, ffi::DataType::BF16, {a.T, kIndexHeads, kIndexDim}));
+  DSV4_RETURN_IF_ERROR(
+      CheckBuffer("weights", weights, ffi::DataType::F32, {a.T, kIndexHeads}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
+  a.R = block_table.dimensions()[0];
+  a.MB = block_table.dimensions()[1];
+  a.E = a.MB * (kBlockTokens / kCsaRatio);
+  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors_in, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("errors (result)", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.packed", packed, ffi::DataType::U8,
+                                   {-1, -1, kBlockTokens / kCsaRatio, kIndexPacked}));
+  a.L = packed.dimensions()[0];
+  a.N = packed.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.scale", scale, ffi::DataType::F8E8M0FNU,
+                                   {a.L, a.N, kBlockTokens / kCsaRatio, kIndexScales}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("indices (result)", indices, ffi::DataType::S32, {a.T, -1}));
+  a.K = indices.dimensions()[1];
+  if (a.K < 1) return ffi::Error::InvalidArgument("indices (result): k must be at least 1");
+  DSV4_RETURN_IF_ERROR(CheckBuffer("scratch (result)", scratch, ffi::DataType::U32, {a.T, a.E}));
+  a.layer = static_cast<const int32_t*>(layer.untyped_data());
+  a.slot = static_cast<const int32_t*>(token_slot.untyped_data());
+  a.pos = static_cast<const int32_t*>(token_pos.untyped_data());
+  a.q = static_cast<const uint16_t*>(q.untyped_data());
+  a.weights = static_cast<const float*>(weights.untyped_data());
+  a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
+  a.packed = static_cast<const uint8_t*>(packed.untyped_data());
+  a.scale = static_cast<const uint8_t*>(scale.untyped_data());
+  a.indices = static_cast<int32_t*>(indices.untyped_data());
+  a.scratch = static_cast<uint32_t*>(scratch.untyped_data());
+  a.errors = static_cast<int32_t*>(errors.untyped_data());
+  *out = a;
+  return ffi::Error::Success();
+}
+
+}  // namespace dsv4

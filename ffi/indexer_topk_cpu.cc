@@ -1,0 +1,81 @@
+// CPU handler of indexer_topk (operands in indexer_topk.h, rules in
+// dsv4_jax/ops/indexer.py). Per token: rank keys of the visible entries into
+// the scratch row, then the k largest (key descending, index ascending).
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "handlers_cpu.h"
+#include "indexer_topk.h"
+
+namespace dsv4 {
+namespace {
+
+ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
+                           ffi::AnyBuffer token_pos, ffi::AnyBuffer q, ffi::AnyBuffer weights,
+                           ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
+                           ffi::AnyBuffer packed, ffi::AnyBuffer scale,
+                           ffi::Result<ffi::AnyBuffer> indices,
+                           ffi::Result<ffi::AnyBuffer> scratch,
+                           ffi::Result<ffi::AnyBuffer> errors) {
+  IndexerTopkArgs a;
+  DSV4_RETURN_IF_ERROR(ValidateIndexerTopk(layer, token_slot, token_pos, q, weights, block_table,
+                                           errors_in, packed, scale, *indices, *scratch, *errors,
+                                           &a));
+  for (int64_t i = 0; i < a.T * a.K; ++i) a.indices[i] = -1;
+  const int64_t l = *a.layer;
+  if (l < 0 || l >= a.L) {
+    ++a.errors[kBadLayer];
+    return ffi::Error::Success();
+  }
+  constexpr int64_t per_block = kBlockTokens / kCsaRatio;
+  std::vector<float> qf(kIndexHeads * kIndexDim);
+  std::vector<uint64_t> cand;
+  for (int64_t t = 0; t < a.T; ++t) {
+    const int64_t s = a.slot[t], p = a.pos[t];
+    if (s == -1) continue;
+    if (s < 0 || s >= a.R) {
+      ++a.errors[kBadSlot];
+      continue;
+    }
+    if (p < 0) {
+      ++a.errors[kBadPosition];
+      continue;
+    }
+    const int64_t n = IndexVisible(p, a.E);
+    for (int64_t c = 0; c < kIndexHeads * kIndexDim; ++c)
+      qf[c] = num::Bf16ToF32(a.q[t * kIndexHeads * kIndexDim + c]);
+    const float* w = a.weights + t * kIndexHeads;
+    uint32_t* keys = a.scratch + t * a.E;
+    cand.clear();
+    for (int64_t j = 0; j * per_block < n; ++j) {
+      const int64_t block = a.block_table[s * a.MB + j];
+      const int64_t end = std::min(n, (j + 1) * per_block);
+      if (block < 0 || block >= a.N) {
+        ++a.errors[kMissingBlock];
+        for (int64_t i = j * per_block; i < end; ++i) keys[i] = 0;
+        continue;
+      }
+      for (int64_t i = j * per_block; i < end; ++i) {
+        const int64_t row = (l * a.N + block) * per_block + i % per_block;
+        float k[kIndexDim];
+        DecodeIndexKey(a.packed + row * kIndexPacked, a.scale + row * kIndexScales, k);
+        keys[i] = IndexRankKey(IndexScore(k, qf.data(), w));
+        // larger composite = better: key first, then the lower index
+        cand.push_back((static_cast<uint64_t>(keys[i]) << 32) |
+                       (0xffffffffu - static_cast<uint32_t>(i)));
+      }
+    }
+    const int64_t m = std::min<int64_t>(a.K, static_cast<int64_t>(cand.size()));
+    std::partial_sort(cand.begin(), cand.begin() + m, cand.end(), std::greater<uint64_t>());
+    for (int64_t r = 0; r < m; ++r)
+      a.indices[t * a.K + r] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(cand[r]));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IndexerTopkCpu, IndexerTopkImpl, BindIndexerTopk(ffi::Ffi::Bind()));
+
+}  // namespace dsv4

@@ -1,0 +1,511 @@
+"""indexer_topk (issue 9): every implementation against a float32 numpy
+replay of the documented arithmetic order (exact index arrays), against a
+float64 numpy oracle of the formula (top-k sets where the scores are well
+separated), against each other (identical arrays), and fed to gather_topk."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dsv4_jax as D
+from dsv4_jax import _ffi
+from dsv4_jax.errors import ErrorKind as EK
+
+from conftest import CUDA, requires_cpu_ffi
+
+CSA_LAYERS = (1, 3)      # tiny preset: SWA, CSA, HCA, CSA
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def make_state(rng, R=4, max_context=1024, blocks=None, num_blocks=None):
+    """Tiny state with random MXFP4 keys in every CSA block (scale bytes near
+    127, no NaN byte) and the block table `blocks` (slot -> physical ids)."""
+    cfg = D.CacheConfig.tiny(max_requests=R, max_context=max_context, num_blocks=num_blocks)
+    st = D.init_state(cfg)
+    Lc, N = st.csa.index.packed.shape[:2]
+    packed = rng.integers(0, 256, (Lc, N, 32, 64), dtype=np.uint8)
+    scale = rng.integers(119, 132, (Lc, N, 32, 4), dtype=np.uint8)
+    bt = np.full((R, cfg.max_blocks_per_request), -1, np.int32)
+    for s, phys in (blocks or {}).items():
+        bt[s, :len(phys)] = phys
+    index = D.IndexerKeys(jnp.asarray(packed),
+                          jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))
+    csa = dataclasses.replace(st.csa, index=index)
+    return dataclasses.replace(st, block_table=jnp.asarray(bt), csa=csa)
+
+
+def random_blocks(rng, cfg, slots):
+    """Distinct random physical blocks for every logical block of `slots`."""
+    MB = cfg.max_blocks_per_request
+    perm = rng.permutation(cfg.num_blocks)
+    return {s: perm[i * MB:(i + 1) * MB] for i, s in enumerate(slots)}
+
+
+def queries(rng, T, qscale=1.0):
+    q = (rng.standard_normal((T, 64, 128)) * qscale).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((T, 64)).astype(np.float32)
+    return q, w
+
+
+def host_keys(st, kind_idx, slot, n):
+    """Decoded keys f64[n, 128] of entries 0..n-1 of `slot` (numpy only),
+    and whether each entry's block exists."""
+    packed = np.asarray(st.csa.index.packed)[kind_idx]
+    scale = np.asarray(st.csa.index.scale).view(np.uint8)[kind_idx].astype(np.int64)
+    bt = np.asarray(st.block_table)[slot]
+    N = packed.shape[0]
+    keys = np.zeros((n, 128))
+    ok = np.zeros(n, bool)
+    for i in range(n):
+        b = bt[i // 32]
+        if not 0 <= b < N:
+            continue
+        ok[i] = True
+        by = packed[b, i % 32]
+        codes = np.stack([by & 15, by >> 4], -1).reshape(128)
+        keys[i] = E2M1[codes] * np.repeat(2.0 ** (scale[b, i % 32] - 127), 32)
+    return keys, ok
+
+
+def visible(p, MB):
+    return min((p + 1) // 4, MB * 32)
+
+
+def replay_f32(keys, q, w):
+    """The documented fp32 order, replayed in numpy float32."""
+    k = keys.astype(np.float32).reshape(-1, 1, 4, 32)
+    qq = np.asarray(q, np.float32).reshape(1, 64, 4, 32)
+    prod = k * qq
+    blk = prod[..., 0]
+    for j in range(1, 32):
+        blk = blk + prod[..., j]
+    d = ((blk[..., 0] + blk[..., 1]) + blk[..., 2]) + blk[..., 3]
+    c = np.asarray(w, np.float32)[None, :] * np.where(d > 0, d, np.float32(0))
+    s = c[:, 0]
+    for h in range(1, 64):
+        s = s + c[:, h]
+    return s
+
+
+def oracle_f64(keys, q, w):
+    d = keys @ np.asarray(q, np.float64).T                       # [n, 64]
+    return np.maximum(d, 0) @ np.asarray(w, np.float64)
+
+
+def rank(scores, cand, k):
+    """Indices of the k best candidates (descending score, ascending index),
+    -1 padded."""
+    idx = np.nonzero(cand)[0]
+    s = scores[idx]
+    order = idx[np.lexsort((idx, -s))][:k]
+    return np.r_[order, np.full(k - len(order), -1)].astype(np.int32)
+
+
+def expected(st, layer, slot, pos, q, w, k):
+    """Per token: the replayed-fp32 ranking, and (scores64, cand) for the
+    float64 oracle."""
+    cfg = st.config
+    MB = cfg.max_blocks_per_request
+    kind_idx = cfg.kind_index(layer, "csa")
+    rows, info = [], []
+    for t in range(len(slot)):
+        if not (0 <= slot[t] < cfg.max_requests) or pos[t] < 0:
+            rows.append(np.full(k, -1, np.int32))
+            info.append(None)
+            continue
+        n = visible(int(pos[t]), MB)
+        keys, ok = host_keys(st, kind_idx, slot[t], n)
+        rows.append(rank(replay_f32(keys, q[t], w[t]), ok, k))
+        info.append((oracle_f64(keys, q[t], w[t]), ok))
+    return np.stack(rows), info
+
+
+def run(st, layer, slot, pos, q, w, k, impl, return_state=True):
+    f = jax.jit(lambda st, s, p, q, w: D.indexer_topk(st, layer, s, p, q, w, k, impl=impl,
+                                                      return_state=return_state))
+    return f(st, jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(q),
+             jnp.asarray(w))
+
+
+# the CPU target of this op may be missing from an older build of the module
+needs_cpu_target = pytest.mark.skipif(not _ffi.has_target("cpu", "dsv4_indexer_topk"),
+                                      reason="dsv4_indexer_topk not built for the CPU")
+IMPLS = ["reference", pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
+         pytest.param("cuda", marks=CUDA)]
+
+
+def workload(seed, k=40):
+    """Several requests, one short (fewer visible entries than k), padding
+    and a token at position 0 (nothing visible)."""
+    rng = np.random.default_rng(seed)
+    st = make_state(rng, R=4, max_context=1024)
+    st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
+        [np.r_[b] for b in random_blocks(rng, st.config, range(4)).values()]).astype(np.int32)))
+    slot = np.array([0, 2, -1, 1, 3, 0, 2, 1], np.int32)
+    pos = np.array([1023, 700, 5, 90, 0, 511, 130, 3], np.int32)
+    q, w = queries(rng, len(slot))
+    return st, slot, pos, q, w, k
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_fp32_replay_and_f64_oracle(impl, seed):
+    st, slot, pos, q, w, k = workload(seed)
+    for layer in CSA_LAYERS:
+        got, st2 = run(st, layer, slot, pos, q, w, k, impl)
+        got = np.asarray(got)
+        want, info = expected(st, layer, slot, pos, q, w, k)
+        np.testing.assert_array_equal(got, want)
+        assert not np.any(np.asarray(st2.errors))
+        # the float64 formula: same top-k set wherever the k-th and (k+1)-th
+        # scores are apart by more than fp32 noise
+        for t, inf in enumerate(info):
+            if inf is None:
+                assert np.all(got[t] == -1)
+                continue
+            s64, ok = inf
+            c = np.nonzero(ok)[0]
+            if len(c) <= k:
+                assert set(got[t][got[t] >= 0]) == set(c)
+                assert np.all(got[t][len(c):] == -1)
+                continue
+            srt = np.sort(s64[c])[::-1]
+            tol = 1e-4 * np.abs(s64[c]).max()
+            if srt[k - 1] - srt[k] > tol:
+                assert set(got[t]) == set(c[np.argsort(-s64[c], kind="stable")[:k]])
+            # chosen scores are non-increasing in the oracle up to fp32 noise
+            assert np.all(np.diff(s64[got[t]]) <= tol)
+
+
+def test_oracle_check_is_sharp():
+    """The float64 comparison above can fail: a wrong selection differs."""
+    st, slot, pos, q, w, k = workload(0)
+    _, info = expected(st, 1, slot, pos, q, w, k)
+    s64, ok = info[0]
+    c = np.nonzero(ok)[0]
+    best = set(c[np.argsort(-s64[c])[:k]])
+    worst = set(c[np.argsort(s64[c])[:k]])
+    assert best != worst
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_exact_ties_lower_index_first(impl):
+    rng = np.random.default_rng(5)
+    st = make_state(rng, R=2, max_context=512, blocks={0: [3, 1, 0, 2], 1: [5, 4, 7, 6]})
+    packed = np.array(st.csa.index.packed)
+    scale = np.array(st.csa.index.scale.view(np.uint8))
+    # layer kind 0, slot 0: entries 7, 40, 41, 100 copy entry 2's key (equal
+    # scores); entries 60..69 are all-zero keys (score 0, ten-way tie)
+    bt = np.asarray(st.block_table)[0]
+
+    def cell(i):
+        return bt[i // 32], i % 32
+    src = cell(2)
+    for i in (7, 40, 41, 100):
+        packed[0][cell(i)] = packed[0][src]
+        scale[0][cell(i)] = scale[0][src]
+    for i in range(60, 70):
+        packed[0][cell(i)] = 0
+    st = dataclasses.replace(st, csa=dataclasses.replace(st.csa, index=D.IndexerKeys(
+        jnp.asarray(packed), jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
+    q, w = queries(rng, 3)
+    w[2] = -np.abs(w[2])           # token 2: all weights negative: zero keys rank high
+    slot = np.array([0, 0, 0], np.int32)
+    pos = np.array([511, 511, 511], np.int32)
+    k = 128
+    got = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False))
+    want, _ = expected(st, 1, slot, pos, q, w, k)
+    np.testing.assert_array_equal(got, want)
+    for t in range(3):
+        row = list(got[t])
+        dup = [row.index(i) for i in (2, 7, 40, 41, 100)]
+        assert dup == sorted(dup) and dup[-1] - dup[0] == 4      # adjacent, by index
+    zeros = [list(got[2]).index(i) for i in range(60, 70)]
+    assert zeros == sorted(zeros) and zeros[-1] - zeros[0] == 9
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_rows_and_errors(impl):
+    rng = np.random.default_rng(9)
+    # slot 1 lacks logical block 1; slot 2 has no blocks at all
+    st = make_state(rng, R=4, max_context=512, blocks={0: [0, 1, 2, 3], 1: [4, -1, 6, 99],
+                                                        3: [8, 9, 10, 11]})
+    slot = np.array([-1, 7, 0, 1, 1, 2, 3, -5], np.int32)
+    pos = np.array([100, 100, -3, 511, 40, 3, 2 ** 31 - 1, 0], np.int32)
+    q, w = queries(rng, len(slot))
+    k = 64
+    got, st2 = run(st, 3, slot, pos, q, w, k, impl)
+    got = np.asarray(got)
+    want, _ = expected(st, 3, slot, pos, q, w, k)
+    np.testing.assert_array_equal(got, want)
+    assert np.all(got[[0, 1, 2, 7]] == -1)
+    # token 3 (pos 511): blocks 1 (-1) and 3 (99 >= N=16) missing; token 4
+    # (pos 40, 10 entries): only block 0 needed; token 5 (pos 3, 1 entry):
+    # block 0 missing; token 6 at the largest position sees the whole table
+    assert set(got[3][got[3] >= 0]) == set(range(32)) | set(range(64, 96))
+    assert np.all(got[5] == -1)
+    assert set(got[6][got[6] >= 0]) <= set(range(128)) and np.all(got[6] >= 0)
+    err = np.asarray(st2.errors)
+    assert err[EK.BAD_SLOT] == 2 and err[EK.BAD_POSITION] == 1
+    assert err[EK.MISSING_BLOCK] == 3
+    assert err.sum() == 6
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_traced_layer(impl):
+    rng = np.random.default_rng(2)
+    st = make_state(rng, blocks={0: [0, 1]})
+    q, w = queries(rng, 2)
+    f = jax.jit(lambda st, lay: D.indexer_topk(st, lay, jnp.array([0, 0], jnp.int32),
+                                               jnp.array([100, 200], jnp.int32), jnp.asarray(q),
+                                               jnp.asarray(w), 8, impl=impl, return_state=True))
+    got, st2 = f(st, jnp.int32(2))          # layer 2 is HCA
+    assert np.all(np.asarray(got) == -1)
+    err = np.asarray(st2.errors)
+    assert err[EK.BAD_LAYER] == 1 and err.sum() == 1
+    got, st2 = f(st, jnp.int32(3))
+    want, _ = expected(st, 3, [0, 0], [100, 200], q, w, 8)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_feeds_gather_topk(impl):
+    st, slot, pos, q, w, k = workload(3, k=16)
+    layer = 3
+    idx, st2 = run(st, layer, slot, pos, q, w, k, impl)
+    kv, valid, st3 = D.gather_topk(st2, layer, jnp.asarray(slot), jnp.asarray(pos), idx,
+                                   return_state=True)
+    np.testing.assert_array_equal(np.asarray(valid), np.asarray(idx) >= 0)
+    assert not np.any(np.asarray(st3.errors))
+    assert np.asarray(valid).sum() > 0
+
+
+def test_trace_time_checks():
+    rng = np.random.default_rng(0)
+    st = make_state(rng)
+    q, w = queries(rng, 2)
+    s = jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match="k"):
+        D.indexer_topk(st, 1, s, s, jnp.asarray(q), jnp.asarray(w), 0)
+    with pytest.raises(ValueError, match="q"):
+        D.indexer_topk(st, 1, s, s, jnp.asarray(q, jnp.float32), jnp.asarray(w), 4)
+    with pytest.raises(ValueError, match="weights"):
+        D.indexer_topk(st, 1, s, s, jnp.asarray(q), jnp.asarray(w[:, :32]), 4)
+    with pytest.raises(ValueError, match="layer"):
+        D.indexer_topk(st, 2, s, s, jnp.asarray(q), jnp.asarray(w), 4)
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_implementations_identical(seed):
+    """Random workload with big k (more than visible for most tokens): every
+    available implementation returns the same array."""
+    st, slot, pos, q, w, _ = workload(seed)
+    impls = ["reference"]
+    if _ffi.has_target("cpu", "dsv4_indexer_topk") and jax.default_backend() == "cpu":
+        impls.append("cpu")
+    try:
+        if jax.devices("cuda") and _ffi.has_target("cuda", "dsv4_indexer_topk"):
+            impls.append("cuda")
+    except RuntimeError:
+        pass
+    outs = {}
+    for impl in impls:
+        for k in (1, 200):
+            outs[impl, k] = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False))
+    for (impl, k), v in outs.items():
+        np.testing.assert_array_equal(v, outs["reference", k], err_msg=f"{impl} k={k}")
+
+
+def np_rank_keys(s):
+    """uint32 rank keys of float32 scores (NaN as -inf, -0 as +0)."""
+    s = np.where(np.isnan(s), np.float32(-np.inf), s).astype(np.float32)
+    s = np.where(s == 0, np.float32(0), s).astype(np.float32)
+    b = s.view(np.uint32)
+    key = np.where(b & 0x80000000, b ^ 0x7FFFFFFF, b)
+    return (key ^ 0x80000000).astype(np.uint32)
+
+
+def test_reference_scores_bit_exact():
+    """The reference's score bits equal the numpy float32 replay of the
+    documented order (a different summation order would show here)."""
+    from dsv4_jax.reference.indexer import score_entries
+    rng = np.random.default_rng(4)
+    st = make_state(rng, R=1, max_context=512, blocks={0: [0, 1, 2, 3]})
+    keys, _ = host_keys(st, 0, 0, 128)
+    q, w = queries(rng, 1, qscale=3.0)
+    got = np.asarray(jax.jit(score_entries)(jnp.asarray(keys, jnp.float32),
+                                            jnp.asarray(q[0], jnp.float32), jnp.asarray(w[0])))
+    want = replay_f32(keys, q[0], w[0])
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # the check is sharp: summing the heads in reverse moves some bits
+    k = keys.astype(np.float32).reshape(-1, 1, 4, 32) * np.asarray(q[0], np.float32).reshape(1, 64, 4, 32)
+    d = k.sum(-1).sum(-1)
+    c = w[0][None] * np.maximum(d, 0)
+    assert np.any(c[:, ::-1].cumsum(1)[:, -1].view(np.uint32) != want.view(np.uint32))
+
+
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
+                                  pytest.param("cuda", marks=CUDA)])
+def test_handler_scores_bit_exact(impl):
+    """The handlers' scratch output (rank keys of every visible entry) equals
+    the float32 replay bit for bit."""
+    from dsv4_jax.ops._dispatch import ffi_call
+    rng = np.random.default_rng(6)
+    st = make_state(rng, R=2, max_context=512, blocks={0: [2, 0, 3, 1], 1: [4, 5, 6, 7]})
+    slot = np.array([0, 1, 0], np.int32)
+    pos = np.array([511, 300, 77], np.int32)
+    q, w = queries(rng, 3, qscale=3.0)
+    E = st.config.max_blocks_per_request * 32
+    dev = jax.devices(impl)[0]
+
+    def call(st, s, p, q, w):
+        return ffi_call("dsv4_indexer_topk", [jnp.int32(1), s, p, q, w, st.block_table, st.errors,
+                                              st.csa.index.packed, st.csa.index.scale],
+                        [jax.ShapeDtypeStruct((3, 8), jnp.int32),
+                         jax.ShapeDtypeStruct((3, E), jnp.uint32),
+                         jax.ShapeDtypeStruct((8,), jnp.int32)], {6: 2})
+    args = jax.device_put((st, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q),
+                           jnp.asarray(w)), dev)
+    _, scratch, _ = jax.jit(call)(*args)
+    scratch = np.asarray(scratch)
+    for t in range(3):
+        n = visible(int(pos[t]), 4)
+        keys, _ = host_keys(st, 1, slot[t], n)
+        np.testing.assert_array_equal(scratch[t, :n], np_rank_keys(replay_f32(keys, q[t], w[t])))
+
+
+def few_distinct_keys(rng, st, n_distinct=6):
+    """Every key of the pool replaced by one of `n_distinct` keys: scores
+    collapse into a few large tie groups (the k-th score sits inside one)."""
+    packed = np.array(st.csa.index.packed)
+    scale = np.array(st.csa.index.scale.view(np.uint8))
+    pick = rng.integers(0, n_distinct, packed.shape[:3])
+    src_p = rng.integers(0, 256, (n_distinct, 64), dtype=np.uint8)
+    src_s = rng.integers(123, 130, (n_distinct, 4), dtype=np.uint8)
+    packed[...] = src_p[pick]
+    scale[...] = src_s[pick]
+    return dataclasses.replace(st, csa=dataclasses.replace(st.csa, index=D.IndexerKeys(
+        jnp.asarray(packed), jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_long_context_many_ties(impl):
+    """2048 entries (several score chunks and select passes on CUDA), k = 512
+    and 700, scores in six tie groups, plus one token with random keys."""
+    rng = np.random.default_rng(21)
+    st = make_state(rng, R=2, max_context=8192)
+    st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
+        [np.r_[b] for b in random_blocks(rng, st.config, range(2)).values()]).astype(np.int32)))
+    tied = few_distinct_keys(rng, st)
+    slot = np.array([0, 1, 0, 1], np.int32)
+    pos = np.array([8191, 5000, 3001, 8191], np.int32)
+    q, w = queries(rng, 4)
+    for state in (tied, st):
+        for k in (512, 700):
+            got = np.asarray(run(state, 1, slot, pos, q, w, k, impl, return_state=False))
+            want, _ = expected(state, 1, slot, pos, q, w, k)
+            np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [31])
+def test_cuda_equals_reference_on_cpu(seed):
+    """On a GPU machine: the CUDA handler against the reference run on the
+    host CPU device (the CPU handler equals that reference in the CPU tests;
+    under jit with a GPU backend the "cpu" impl is refused)."""
+    if not (has_cuda_target() and jax.default_backend() == "gpu"):
+        pytest.skip("needs a CUDA GPU and dsv4_indexer_topk built for it")
+    st, slot, pos, q, w, _ = workload(seed)
+    cpu = jax.devices("cpu")[0]
+    host = jax.device_put((st, slot, pos, q, w), cpu)
+    for k in (1, 16, 300):
+        got = np.asarray(run(st, 3, slot, pos, q, w, k, "cuda", return_state=False))
+        with jax.default_device(cpu):
+            ref = np.asarray(run(*host[:1], 3, *host[1:], k, "reference", return_state=False))
+            np.testing.assert_array_equal(got, ref, err_msg=f"reference k={k}")
+
+
+def has_cuda_target():
+    try:
+        return bool(jax.devices("cuda")) and _ffi.has_target("cuda", "dsv4_indexer_topk")
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("impl", ["reference", pytest.param("cpu", marks=[requires_cpu_ffi,
+                                                                          needs_cpu_target])])
+def test_sharded_equals_each_shard_alone(impl):
+    """Under shard_map over 2 CPU devices each shard ranks its own requests'
+    keys (shard-local slots and blocks) exactly as an unsharded state of that
+    shard does; errors land in the shard's own counters."""
+    from jax.sharding import Mesh
+    from dsv4_jax.sharding import init_sharded_state, shard_config
+    from test_sharding import unshard
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = Mesh(np.array(devices[:2]), ("data",))
+    cfg = shard_config(D.CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=8), mesh,
+                       "data")
+    state = init_sharded_state(cfg, mesh)
+    rng = np.random.default_rng(17)
+    Lc, N = state.csa.index.packed.shape[:2]
+    packed = rng.integers(0, 256, (Lc, N, 32, 64), dtype=np.uint8)
+    scale = rng.integers(119, 132, (Lc, N, 32, 4), dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    # per shard (2 slots, 4 blocks each): slot 0 owns local blocks 3,1; slot 1
+    # owns 0 and a missing one
+    bt = np.full((4, 4), -1, np.int32)
+    for k in range(2):
+        bt[2 * k, :2] = [3, 1]
+        bt[2 * k + 1, :2] = [0, -1]
+    put = lambda x, like: jax.device_put(x, like.sharding)
+    state = dataclasses.replace(
+        state, block_table=put(bt, state.block_table),
+        csa=dataclasses.replace(state.csa, index=D.IndexerKeys(
+            put(packed, state.csa.index.packed), put(scale, state.csa.index.scale))))
+    # 3 tokens per shard, slots local to their shard
+    slot = np.array([0, 1, -1, 1, 0, 5], np.int32)
+    pos = np.array([255, 200, 0, 100, 130, 7], np.int32)
+    q, w = queries(rng, 6)
+    k = 24
+    with jax.set_mesh(mesh):
+        got, st2 = jax.jit(lambda st, s, p, q, w: D.indexer_topk(
+            st, 1, s, p, q, w, k, impl=impl, return_state=True))(
+                state, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q), jnp.asarray(w))
+    got = np.asarray(got)
+    for sh, local in enumerate(unshard(state, cfg)):
+        rows = slice(3 * sh, 3 * sh + 3)
+        want, _ = expected(local, 1, slot[rows], pos[rows], q[rows], w[rows], k)
+        np.testing.assert_array_equal(got[rows], want, err_msg=f"shard {sh}")
+    err = np.asarray(st2.errors).reshape(2, -1)
+    # shard 0: token 1 (slot 1, pos 200 -> 50 entries) needs logical block 1: missing
+    assert err[0, EK.MISSING_BLOCK] == 1 and err[0].sum() == 1
+    # shard 1: token 3 (slot 1, pos 100 -> 25 entries) fine; slot 5 is out of range
+    assert err[1, EK.BAD_SLOT] == 1 and err[1].sum() == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_k_above_table_and_no_tokens(impl):
+    """k larger than every possible entry (E = 128): visible ones first, then
+    -1; an empty batch gives an empty result and counts only a bad layer."""
+    rng = np.random.default_rng(8)
+    st = make_state(rng, R=2, max_context=512, blocks={0: [1, 0, 3, 2]})
+    q, w = queries(rng, 2)
+    slot = np.array([0, 0], np.int32)
+    pos = np.array([511, 63], np.int32)
+    got = np.asarray(run(st, 1, slot, pos, q, w, 300, impl, return_state=False))
+    want, _ = expected(st, 1, slot, pos, q, w, 300)
+    np.testing.assert_array_equal(got, want)
+    assert (got[0] >= 0).sum() == 128 and (got[1] >= 0).sum() == 16
+    f = jax.jit(lambda st, lay: D.indexer_topk(st, lay, jnp.zeros(0, jnp.int32),
+                                               jnp.zeros(0, jnp.int32),
+                                               jnp.zeros((0, 64, 128), jnp.bfloat16),
+                                               jnp.zeros((0, 64), jnp.float32), 4, impl=impl,
+                                               return_state=True))
+    idx, st2 = f(st, jnp.int32(1))
+    assert idx.shape == (0, 4) and not np.any(np.asarray(st2.errors))
+    idx, st2 = f(st, jnp.int32(0))
+    assert np.asarray(st2.errors)[EK.BAD_LAYER] == 1 and np.asarray(st2.errors).sum() == 1
