@@ -95,7 +95,7 @@ class Bench:
 
     # -- the floor: an FFI call doing nothing (CUDA), else the smallest XLA op
     def empty_call_seconds(self):
-        inner = 16
+        inner = 64
         x = [jnp.zeros((4,), jnp.int32) for _ in range(2)]
         if _ffi.has_target(self.impl, "dsv4_noop"):
             noop = jax.ffi.ffi_call("dsv4_noop", jax.ShapeDtypeStruct((4,), jnp.int32),
@@ -166,7 +166,7 @@ def random_pools(state, rng):
 
 def inner_layers(rows):
     """Op calls per timed jit call: many for small ops, one for large ones."""
-    return 16 if rows <= 256 else (4 if rows <= 4096 else 1)
+    return 64 if rows <= 256 else (8 if rows <= 4096 else 1)
 
 
 # ---- per-op benchmarks ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // CUDA handler of gather_all (operands in ffi/gather.h, rules in
 // dsv4_jax/ops/gather.py). One launch; one warp per output row (b, entry),
-// grid-stride. Per-request outcomes (count, bad slot, bad length) are
+// two rows in flight per warp (cuda::GatherRows). Per-request outcomes (count, bad slot, bad length) are
 // written and counted by the warp of entry 0 only.
 #include <cuda_runtime.h>
 
@@ -18,12 +18,8 @@ __global__ void __launch_bounds__(kThreads) GatherAllKernel(GatherAllArgs a) {
   const int64_t l = __ldg(a.layer);
   const bool layer_ok = l >= 0 && l < a.L;
   if (!layer_ok && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&a.errors[kBadLayer], 1);
-  const int64_t rows = a.B * a.E;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-       row < rows; row += warps) {
+  cuda::GatherRows(a.pool, a.out_kv, a.B * a.E, [&](int64_t row) -> int64_t {
     const int64_t b = row / a.E, i = row % a.E;
-    uint16_t* out = a.out_kv + row * kHeadDim;
     int64_t e = -1, n = 0;
     int err = -1;
     if (layer_ok) {
@@ -46,9 +42,8 @@ __global__ void __launch_bounds__(kThreads) GatherAllKernel(GatherAllArgs a) {
       if (err >= 0) atomicAdd(&a.errors[err], 1);
       if (i == 0) a.count[b] = static_cast<int32_t>(n);
     }
-    if (e >= 0) cuda::WarpDecodeEntry(a.pool, e, out);
-    else cuda::WarpZeroRow(out);
-  }
+    return e;
+  });
 }
 
 ffi::Error GatherAllImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,

@@ -1,6 +1,6 @@
 // CUDA handler of gather_topk (operands in ffi/gather.h, rules in
 // dsv4_jax/ops/gather.py). One launch; one warp per output row (token, j),
-// grid-stride. Per-token errors (bad slot, bad position) are counted by the
+// two rows in flight per warp (cuda::GatherRows). Per-token errors (bad slot, bad position) are counted by the
 // warp of j = 0 only, so each token counts once, as on the host.
 #include <cuda_runtime.h>
 
@@ -18,12 +18,8 @@ __global__ void __launch_bounds__(kThreads) GatherTopkKernel(GatherTopkArgs a) {
   const int64_t l = __ldg(a.layer);
   const bool layer_ok = l >= 0 && l < a.L;
   if (!layer_ok && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&a.errors[kBadLayer], 1);
-  const int64_t rows = a.T * a.K;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-       row < rows; row += warps) {
+  cuda::GatherRows(a.pool, a.out_kv, a.T * a.K, [&](int64_t row) -> int64_t {
     const int64_t t = row / a.K, j = row % a.K;
-    uint16_t* out = a.out_kv + row * kHeadDim;
     int64_t e = -1;
     int err = -1;
     if (layer_ok) {
@@ -46,11 +42,12 @@ __global__ void __launch_bounds__(kThreads) GatherTopkKernel(GatherTopkArgs a) {
         }
       }
     }
-    if (err >= 0 && lane == 0) atomicAdd(&a.errors[err], 1);
-    if (e >= 0) cuda::WarpDecodeEntry(a.pool, e, out);
-    else cuda::WarpZeroRow(out);
-    if (lane == 0) a.valid[row] = e >= 0;
-  }
+    if (lane == 0) {
+      if (err >= 0) atomicAdd(&a.errors[err], 1);
+      a.valid[row] = e >= 0;
+    }
+    return e;
+  });
 }
 
 ffi::Error GatherTopkImpl(cudaStream_t stream, int64_t kv_format, ffi::AnyBuffer layer,

@@ -1,6 +1,6 @@
 // CUDA handler of gather_window (operands in ffi/gather.h, rules in
 // dsv4_jax/ops/gather.py). One launch; one warp per output row (b, ring
-// slot), grid-stride, decoding with 16-byte stores (kernels.cuh).
+// slot), two rows in flight per warp (cuda::GatherRows).
 #include <cuda_runtime.h>
 
 #include "gather.h"
@@ -17,31 +17,26 @@ __global__ void __launch_bounds__(kThreads) GatherWindowKernel(GatherWindowArgs 
   const int64_t l = __ldg(a.layer);
   const bool layer_ok = l >= 0 && l < a.L;
   if (!layer_ok && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&a.errors[kBadLayer], 1);
-  const int64_t rows = a.B * kWindow;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-       row < rows; row += warps) {
+  cuda::GatherRows(a.pool, a.out_kv, a.B * kWindow, [&](int64_t row) -> int64_t {
     const int64_t b = row / kWindow, r = row % kWindow;
-    uint16_t* out = a.out_kv + row * kHeadDim;
     int64_t s = layer_ok ? __ldg(a.slots + b) : -1;
-    int32_t p = -1;
     if (s != -1 && (s < 0 || s >= a.R)) {
       if (r == 0 && lane == 0) atomicAdd(&a.errors[kBadSlot], 1);
       s = -1;
     }
-    int64_t e = 0;
+    int64_t e = -1;
+    int32_t p = -1;
     if (s >= 0) {
       e = (l * a.R + s) * kWindow + r;
       p = __ldg(a.swa_pos + e);
-    }
-    if (p < 0) {
-      cuda::WarpZeroRow(out);
-      p = -1;
-    } else {
-      cuda::WarpDecodeEntry(a.pool, e, out);
+      if (p < 0) {
+        p = -1;
+        e = -1;
+      }
     }
     if (lane == 0) a.out_pos[row] = p;
-  }
+    return e;
+  });
 }
 
 ffi::Error GatherWindowImpl(cudaStream_t stream, int64_t kv_format, ffi::AnyBuffer layer,

@@ -201,35 +201,63 @@ __device__ __forceinline__ uint4 DequantChunk(uint2 codes, float s) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Writes entry e of `p` as 512 bf16 to `out` (16-byte aligned). All 32 lanes call.
-__device__ __forceinline__ void WarpDecodeEntry(const EntryPool& p, int64_t e, uint16_t* out) {
+// The raw bytes of one entry a lane needs (its two chunks and their
+// scales): loading is split from decoding so that a warp can have several
+// entries in flight before its first store.
+struct EntryRegs {
+  uint4 lo, hi;  // fp8: codes in .x/.y (hi: RoPE bf16 in all four for lanes 24..31)
+  float slo, shi;
+};
+
+__device__ __forceinline__ EntryRegs WarpLoadEntry(const EntryPool& p, int64_t e) {
   const int lane = threadIdx.x & 31;
   const int jlo = lane, jhi = lane + 32;
   const bool hi_nope = jhi < kNopeChunks;
-  uint4* dst = reinterpret_cast<uint4*>(out);
   const uint4* rope = reinterpret_cast<const uint4*>(p.rope + e * kRopeDim);
+  EntryRegs r;
+  r.slo = r.shi = 1.f;
   if (p.fmt == kBf16) {
     const uint4* nope =
         reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.nope) + e * kNopeDim);
-    uint4 a = __ldg(nope + jlo);
-    uint4 b = hi_nope ? __ldg(nope + jhi) : __ldg(rope + (jhi - kNopeChunks));
-    dst[jlo] = a;
-    dst[jhi] = b;
-    return;
+    r.lo = __ldg(nope + jlo);
+    r.hi = hi_nope ? __ldg(nope + jhi) : __ldg(rope + (jhi - kNopeChunks));
+    return r;
   }
   const uint2* nope = reinterpret_cast<const uint2*>(p.nope + e * kNopeDim);
-  uint2 clo = __ldg(nope + jlo);
-  uint2 chi = hi_nope ? __ldg(nope + jhi) : make_uint2(0, 0);
-  uint4 rhi = hi_nope ? make_uint4(0, 0, 0, 0) : __ldg(rope + (jhi - kNopeChunks));
-  float slo, shi;
-  if (p.fmt == kDsFp8) {
-    slo = num::E8m0ToF32(__ldg(p.scale + e * kNopeTiles + (jlo >> 3)));
-    shi = hi_nope ? num::E8m0ToF32(__ldg(p.scale + e * kNopeTiles + (jhi >> 3))) : 1.f;
+  const uint2 clo = __ldg(nope + jlo);
+  r.lo = make_uint4(clo.x, clo.y, 0, 0);
+  if (hi_nope) {
+    const uint2 chi = __ldg(nope + jhi);
+    r.hi = make_uint4(chi.x, chi.y, 0, 0);
   } else {
-    slo = shi = __ldg(reinterpret_cast<const float*>(p.scale) + e);
+    r.hi = __ldg(rope + (jhi - kNopeChunks));
   }
-  dst[jlo] = DequantChunk(clo, slo);
-  dst[jhi] = hi_nope ? DequantChunk(chi, shi) : rhi;
+  if (p.fmt == kDsFp8) {
+    r.slo = num::E8m0ToF32(__ldg(p.scale + e * kNopeTiles + (jlo >> 3)));
+    if (hi_nope) r.shi = num::E8m0ToF32(__ldg(p.scale + e * kNopeTiles + (jhi >> 3)));
+  } else {
+    r.slo = r.shi = __ldg(reinterpret_cast<const float*>(p.scale) + e);
+  }
+  return r;
+}
+
+// Decodes loaded entry bytes to 512 bf16 at `out` (16-byte aligned).
+__device__ __forceinline__ void WarpStoreEntry(int fmt, const EntryRegs& r, uint16_t* out) {
+  const int lane = threadIdx.x & 31;
+  const int jlo = lane, jhi = lane + 32;
+  uint4* dst = reinterpret_cast<uint4*>(out);
+  if (fmt == kBf16) {
+    dst[jlo] = r.lo;
+    dst[jhi] = r.hi;
+    return;
+  }
+  dst[jlo] = DequantChunk(make_uint2(r.lo.x, r.lo.y), r.slo);
+  dst[jhi] = jhi < kNopeChunks ? DequantChunk(make_uint2(r.hi.x, r.hi.y), r.shi) : r.hi;
+}
+
+// Writes entry e of `p` as 512 bf16 to `out` (16-byte aligned). All 32 lanes call.
+__device__ __forceinline__ void WarpDecodeEntry(const EntryPool& p, int64_t e, uint16_t* out) {
+  WarpStoreEntry(p.fmt, WarpLoadEntry(p, e), out);
 }
 
 // A zero row of 512 bf16.
@@ -238,6 +266,32 @@ __device__ __forceinline__ void WarpZeroRow(uint16_t* out) {
   uint4* dst = reinterpret_cast<uint4*>(out);
   dst[lane] = make_uint4(0, 0, 0, 0);
   dst[lane + 32] = make_uint4(0, 0, 0, 0);
+}
+
+// The gathers' loop: one warp per output row, grid-stride, two rows per
+// iteration with both rows' loads issued before either store. row_entry(row)
+// is called once per row; it does the row's side outputs (errors, positions,
+// flags) and returns the entry to decode, or -1 for a zero row.
+template <typename RowEntry>
+__device__ __forceinline__ void GatherRows(const EntryPool& pool, uint16_t* out_kv, int64_t rows,
+                                           RowEntry row_entry) {
+  const int64_t wpb = blockDim.x >> 5;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * wpb;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * wpb + (threadIdx.x >> 5); r0 < rows;
+       r0 += 2 * warps) {
+    const int64_t r1 = r0 + warps;
+    const int64_t e0 = row_entry(r0);
+    const int64_t e1 = r1 < rows ? row_entry(r1) : -1;
+    EntryRegs x0, x1;
+    if (e0 >= 0) x0 = WarpLoadEntry(pool, e0);
+    if (e1 >= 0) x1 = WarpLoadEntry(pool, e1);
+    if (e0 >= 0) WarpStoreEntry(pool.fmt, x0, out_kv + r0 * kHeadDim);
+    else WarpZeroRow(out_kv + r0 * kHeadDim);
+    if (r1 < rows) {
+      if (e1 >= 0) WarpStoreEntry(pool.fmt, x1, out_kv + r1 * kHeadDim);
+      else WarpZeroRow(out_kv + r1 * kHeadDim);
+    }
+  }
 }
 
 inline ffi::Error LaunchStatus(const char* what) {
