@@ -77,20 +77,22 @@ class Bench:
                          for k, v in row.items())
         print(cells, flush=True)
 
-    # -- the copy reference: XOR over bytes/2, giving bytes moved per call
-    def copy_seconds(self, nbytes):
+    # -- the copy reference: XOR over bytes/2 (read + write = nbytes), `inner`
+    #    separate buffers per jit call, as the op is timed
+    def copy_seconds(self, nbytes, inner=1):
         n = max(int(nbytes // 2), 16)
-        if n in self._copy_cache:
-            return self._copy_cache[n]
-        sets = 2 if n > (64 << 20) else 4
-        bufs = [jnp.asarray(self.rng.integers(0, 256, n, dtype=np.uint8)) for _ in range(sets)]
-        f = jax.jit(lambda x: x ^ jnp.uint8(0x5A), donate_argnums=0)
+        if (n, inner) in self._copy_cache:
+            return self._copy_cache[(n, inner)]
+        sets = 2
+        bufs = [[jnp.asarray(self.rng.integers(0, 256, n, dtype=np.uint8)) for _ in range(inner)]
+                for _ in range(sets)]
+        f = jax.jit(lambda xs: [x ^ jnp.uint8(0x5A) for x in xs], donate_argnums=0)
 
         def call(i):
             bufs[i % sets] = f(bufs[i % sets])
             return bufs[i % sets]
-        s = time_it(call, sets, self.args.batch, self.args.reps)
-        self._copy_cache[n] = s
+        s = time_it(call, sets, self.args.batch, self.args.reps) / inner
+        self._copy_cache[(n, inner)] = s
         return s
 
     # -- the floor: an FFI call doing nothing (CUDA), else the smallest XLA op
@@ -119,8 +121,8 @@ class Bench:
         self.empty_us = s * 1e6
         return s
 
-    def op_row(self, op, rows, seconds, nbytes, **extra):
-        copy = self.copy_seconds(nbytes)
+    def op_row(self, op, rows, seconds, nbytes, inner=1, **extra):
+        copy = self.copy_seconds(nbytes, inner)
         self.record(op=op, rows=rows, us=seconds * 1e6, GBps=nbytes / seconds / 1e9,
                     copy_pct=100.0 * copy / seconds,
                     vs_empty=seconds * 1e6 / getattr(self, "empty_us", float("nan")), **extra)
@@ -166,7 +168,7 @@ def random_pools(state, rng):
 
 def inner_layers(rows):
     """Op calls per timed jit call: many for small ops, one for large ones."""
-    return 64 if rows <= 256 else (8 if rows <= 4096 else 1)
+    return 64 if rows <= 256 else (16 if rows <= 4096 else 4)
 
 
 # ---- per-op benchmarks ---------------------------------------------------------------------------
@@ -197,7 +199,7 @@ def bench_append(b, rows_list, fmt):
                 return states[i % sets]
             s = time_it(call, sets, b.args.batch, b.args.reps) / L
             nbytes = T * (ROW + ENTRY_BYTES[fmt] + 4 + 8)
-            b.op_row("append", T, s, nbytes, impl=impl, fmt=fmt)
+            b.op_row("append", T, s, nbytes, inner=L, impl=impl, fmt=fmt)
         del states
 
 
@@ -223,7 +225,7 @@ def bench_gather_window(b, rows_list, fmt):
             s = time_it(lambda i, f=f: f(states[i % sets]), sets, b.args.batch, b.args.reps) / L
             n = B * C.WINDOW
             nbytes = n * (ENTRY_BYTES[fmt] + 4 + ROW + 4)
-            b.op_row("gather_window", n, s, nbytes, impl=impl, fmt=fmt, B=B)
+            b.op_row("gather_window", n, s, nbytes, inner=L, impl=impl, fmt=fmt, B=B)
 
 
 def bench_gather_topk(b, rows_list, fmt):
@@ -247,7 +249,7 @@ def bench_gather_topk(b, rows_list, fmt):
             s = time_it(lambda i, f=f: f(states[i % sets]), sets, b.args.batch, b.args.reps) / L
             n = T * K
             nbytes = n * (ENTRY_BYTES[fmt] + 4 + ROW + 1)
-            b.op_row("gather_topk", n, s, nbytes, impl=impl, fmt=fmt, T=T, k=K)
+            b.op_row("gather_topk", n, s, nbytes, inner=L, impl=impl, fmt=fmt, T=T, k=K)
 
 
 def bench_gather_all(b, rows_list, fmt):
@@ -268,7 +270,7 @@ def bench_gather_all(b, rows_list, fmt):
             s = time_it(lambda i, f=f: f(states[i % sets]), sets, b.args.batch, b.args.reps) / L
             n = B * E
             nbytes = n * (ENTRY_BYTES[fmt] + 4 + ROW)
-            b.op_row("gather_all", n, s, nbytes, impl=impl, fmt=fmt, B=B, E=E)
+            b.op_row("gather_all", n, s, nbytes, inner=L, impl=impl, fmt=fmt, B=B, E=E)
 
 
 def flush_params(kind, rng):
@@ -288,7 +290,7 @@ def bench_flush(b, kind, cases, fmt):
     for label, B, per in cases:  # B requests x `per` tokens each
         T = B * per
         MB = 32  # 4096 tokens of context
-        L = inner_layers(T)
+        L = min(inner_layers(T), 16)
         cfg = pool_config(kind, L, B, MB, kv_format=fmt)
         sets = 2
         states = [with_blocks(dj.init_state(cfg), B, MB) for _ in range(sets)]

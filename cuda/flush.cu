@@ -116,6 +116,16 @@ __device__ void StoreIndexKey(const FlushArgs& a, int64_t e, float* ix) {
   __syncthreads();
 }
 
+// One token's operands for one thread's channel(s), loaded ahead of use:
+// score, ape and kv of the half folded into `cur` (b) and into `nxt` (a),
+// main and indexer; the token's position, block and error (or -1).
+struct TokenIn {
+  int64_t p = 0, block = -1;
+  int err = -1;
+  float sb = 0.f, ab = 0.f, vb = 0.f, sa = 0.f, aa = 0.f, va = 0.f;
+  float isb = 0.f, iab = 0.f, ivb = 0.f, isa = 0.f, iaa = 0.f, iva = 0.f;
+};
+
 struct Acc3 {
   float* base;  // rows max, sum, kv of one accumulator, width d
   int d;
@@ -152,39 +162,74 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     icur = icur_row.Load(c);
     inxt = inxt_row.Load(c);
   }
-  bool touched = false;
-  for (int64_t t = t0; t < a.T; ++t) {
-    if (__ldg(a.slot + t) != s) continue;
-    const int64_t p = __ldg(a.pos + t);
-    if (p < 0 || p >= a.max_context || p / kBlockTokens >= a.MB) {
-      if (c == 0) atomicAdd(&a.errors[kBadPosition], 1);
-      continue;
+  // Software pipeline: the next token of this request is found and its
+  // inputs loaded (addresses always in bounds) before the current token is
+  // folded, so the chain slot -> pos -> block table -> projections is not
+  // paid in full per token. The order of the folds is unchanged.
+  auto next_row = [&](int64_t from) {
+    while (from < a.T && __ldg(a.slot + from) != s) ++from;
+    return from;
+  };
+  auto load = [&](int64_t t) {
+    TokenIn in;
+    in.p = __ldg(a.pos + t);
+    in.err = -1;
+    in.block = -1;
+    if (in.p < 0 || in.p >= a.max_context || in.p / kBlockTokens >= a.MB) {
+      in.err = kBadPosition;
+    } else {
+      in.block = __ldg(a.block_table + s * a.MB + in.p / kBlockTokens);
+      if (in.block < 0 || in.block >= a.N) in.err = kMissingBlock;
     }
-    const int64_t block = __ldg(a.block_table + s * a.MB + p / kBlockTokens);
-    if (block < 0 || block >= a.N) {
-      if (c == 0) atomicAdd(&a.errors[kMissingBlock], 1);
+    const int64_t pm = in.p >= 0 ? in.p % m : 0;
+    const float* kv = mv.kv + t * mw;
+    const float* sc = mv.score + t * mw;
+    const float* ape = mv.ape + pm * mw;
+    const int hb = kCsa ? kHeadDim : 0;  // the half folded into `cur`
+    in.sb = __ldg(sc + hb + c);
+    in.ab = __ldg(ape + hb + c);
+    in.vb = __ldg(kv + hb + c);
+    if (kCsa) {
+      in.sa = __ldg(sc + c);
+      in.aa = __ldg(ape + c);
+      in.va = __ldg(kv + c);
+    }
+    if (ich) {
+      const float* ikv = a.index.kv + t * iw;
+      const float* isc = a.index.score + t * iw;
+      const float* iape = a.index.ape + pm * iw;
+      in.isb = __ldg(isc + kIndexDim + c);
+      in.iab = __ldg(iape + kIndexDim + c);
+      in.ivb = __ldg(ikv + kIndexDim + c);
+      in.isa = __ldg(isc + c);
+      in.iaa = __ldg(iape + c);
+      in.iva = __ldg(ikv + c);
+    }
+    return in;
+  };
+  bool touched = false;
+  int64_t t = next_row(t0);
+  TokenIn in = load(t);  // t0 is a row of s, so t < T
+  while (t < a.T) {
+    const int64_t tn = next_row(t + 1);
+    TokenIn nin;
+    if (tn < a.T) nin = load(tn);
+    const TokenIn cin = in;
+    t = tn;
+    in = nin;
+    if (cin.err >= 0) {
+      if (c == 0) atomicAdd(&a.errors[cin.err], 1);
       continue;
     }
     touched = true;
-    const float* kv = mv.kv + t * mw;
-    const float* sc = mv.score + t * mw;
-    const float* ape = mv.ape + (p % m) * mw;
+    const int64_t p = cin.p, block = cin.block;
     const int64_t w = p / m;
     const bool closes = p % m == m - 1;
-    if (kCsa) {
-      cur = num::AccumulateAcc(cur, __ldg(sc + kHeadDim + c) + __ldg(ape + kHeadDim + c),
-                               __ldg(kv + kHeadDim + c));
-      nxt = num::AccumulateAcc(nxt, __ldg(sc + c) + __ldg(ape + c), __ldg(kv + c));
-      if (ich) {
-        const float* ikv = a.index.kv + t * iw;
-        const float* isc = a.index.score + t * iw;
-        const float* iape = a.index.ape + (p % m) * iw;
-        icur = num::AccumulateAcc(icur, __ldg(isc + kIndexDim + c) + __ldg(iape + kIndexDim + c),
-                                  __ldg(ikv + kIndexDim + c));
-        inxt = num::AccumulateAcc(inxt, __ldg(isc + c) + __ldg(iape + c), __ldg(ikv + c));
-      }
-    } else {
-      cur = num::AccumulateAcc(cur, __ldg(sc + c) + __ldg(ape + c), __ldg(kv + c));
+    cur = num::AccumulateAcc(cur, cin.sb + cin.ab, cin.vb);
+    if (kCsa) nxt = num::AccumulateAcc(nxt, cin.sa + cin.aa, cin.va);
+    if (ich) {
+      icur = num::AccumulateAcc(icur, cin.isb + cin.iab, cin.ivb);
+      inxt = num::AccumulateAcc(inxt, cin.isa + cin.iaa, cin.iva);
     }
     if (!closes) continue;
     const int64_t e = (l * a.N + block) * a.per_block + w % a.per_block;
