@@ -6,6 +6,15 @@
 namespace nb = nanobind;
 
 namespace dsv4 {
+namespace {
+namespace ffi = xla::ffi;
+// An FFI call that does nothing: its operand is aliased to its result. The
+// benchmarks time it as the floor of any handler's cost (dispatch, launch).
+ffi::Error NoopImpl(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
+}  // namespace
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NoopCuda, NoopImpl,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 void BindNumericsProbe(nb::module_& m);  // numerics_probe_py.cc
 }  // namespace dsv4
 
@@ -14,6 +23,13 @@ NB_MODULE(_dsv4_cuda, m) {
     nb::dict targets;
     targets["dsv4_apply_step"] = nb::capsule(reinterpret_cast<void*>(dsv4::ApplyStepCuda));
     targets["dsv4_indexer_topk"] = nb::capsule(reinterpret_cast<void*>(dsv4::IndexerTopkCuda));
+    targets["dsv4_append"] = nb::capsule(reinterpret_cast<void*>(dsv4::AppendCuda));
+    targets["dsv4_flush_csa"] = nb::capsule(reinterpret_cast<void*>(dsv4::FlushCsaCuda));
+    targets["dsv4_flush_hca"] = nb::capsule(reinterpret_cast<void*>(dsv4::FlushHcaCuda));
+    targets["dsv4_gather_window"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherWindowCuda));
+    targets["dsv4_gather_topk"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherTopkCuda));
+    targets["dsv4_noop"] = nb::capsule(reinterpret_cast<void*>(dsv4::NoopCuda));
+    targets["dsv4_gather_all"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherAllCuda));
     return targets;
   });
   dsv4::BindNumericsProbe(m);

@@ -1,0 +1,304 @@
+// Device building blocks of the CUDA handlers: grid sizing from the device,
+// and the warp-wide encode / decode of one 512-channel entry in every
+// kv_format. The arithmetic is the shared numerics of dsv4/numerics.h, so a
+// warp produces the bytes EncodeEntry / DecodeEntry produce on the host.
+//
+// Warp layout of an entry: 64 chunks of 8 channels; lane L owns chunks L and
+// L + 32 (channels 8L.. and 256 + 8L..). Chunks 0..55 are the 448 NoPE
+// channels (ds_fp8 tile = 8 chunks), 56..63 the 64 RoPE channels. Each
+// access of a warp is one contiguous run: 32 x 16 bytes of bf16, or 32 x 8
+// bytes of fp8 codes, so loads and stores are coalesced and 8/16 bytes wide.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "dsv4/entries.h"
+#include "dsv4/ffi_checks.h"
+#include "dsv4/layout.h"
+#include "dsv4/numerics.h"
+
+namespace dsv4 {
+namespace cuda {
+
+constexpr int kChunk = 8;                       // channels per chunk
+constexpr int kChunks = kHeadDim / kChunk;      // 64
+constexpr int kNopeChunks = kNopeDim / kChunk;  // 56
+constexpr unsigned kFull = 0xffffffffu;
+
+// Multiprocessors of the current device, read once per device (no allocation,
+// no sync; cudaDeviceGetAttribute is a host query).
+inline int SmCount() {
+  static int cached[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cached[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
+      n = 132;
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
+// Blocks for a grid-stride loop over `work` items of `per_block` each, at most
+// `waves` blocks per multiprocessor, at least one block.
+inline unsigned GridFor(int64_t work, int per_block, int waves) {
+  int64_t want = (work + per_block - 1) / per_block;
+  int64_t cap = static_cast<int64_t>(SmCount()) * waves;
+  if (want > cap) want = cap;
+  if (want < 1) want = 1;
+  return static_cast<unsigned>(want);
+}
+
+// The layer operand (a device scalar) checked against [0, L). A bad layer is
+// counted once, by thread 0 of block 0.
+__device__ __forceinline__ bool LayerOk(const int32_t* layer, int64_t L, int32_t* errors,
+                                        int64_t* l_out) {
+  int64_t l = __ldg(layer);
+  if (l < 0 || l >= L) {
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) atomicAdd(&errors[kBadLayer], 1);
+    return false;
+  }
+  *l_out = l;
+  return true;
+}
+
+// Adds `n` (per lane) to errors[kind] with one atomic per warp.
+__device__ __forceinline__ void WarpCount(int32_t* errors, int kind, int n) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(kFull, n, off);
+  if ((threadIdx.x & 31) == 0 && n != 0) atomicAdd(&errors[kind], n);
+}
+
+// ---- bf16 chunk helpers ----------------------------------------------------------
+__device__ __forceinline__ void UnpackBf16x8(uint4 u, float* x) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[2 * i] = num::Bf16ToF32(static_cast<uint16_t>(w[i] & 0xffffu));
+    x[2 * i + 1] = num::Bf16ToF32(static_cast<uint16_t>(w[i] >> 16));
+  }
+}
+
+__device__ __forceinline__ uint4 PackBf16x8(const float* x) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = static_cast<uint32_t>(num::F32ToBf16(x[2 * i])) |
+           (static_cast<uint32_t>(num::F32ToBf16(x[2 * i + 1])) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// ---- encode ------------------------------------------------------------------------
+// Stores entry e of `p` from the bf16-valued fp32 channels a lane owns:
+// lo[8] = chunk lane, hi[8] = chunk lane + 32. All 32 lanes must call.
+__device__ __forceinline__ void WarpEncodeEntry(const EntryPool& p, int64_t e, const float* lo,
+                                                const float* hi) {
+  const int lane = threadIdx.x & 31;
+  const int jlo = lane, jhi = lane + 32;
+  const bool hi_nope = jhi < kNopeChunks;
+  uint16_t* rope = p.rope + e * kRopeDim;
+  if (p.fmt == kBf16) {
+    uint4* nope = reinterpret_cast<uint4*>(reinterpret_cast<uint16_t*>(p.nope) + e * kNopeDim);
+    nope[jlo] = PackBf16x8(lo);
+    if (hi_nope) nope[jhi] = PackBf16x8(hi);
+    else reinterpret_cast<uint4*>(rope)[jhi - kNopeChunks] = PackBf16x8(hi);
+    return;
+  }
+  // amax of each half's chunk (the floor enters every max, as on the host).
+  float alo = num::kDsFp8AmaxFloor, ahi = num::kDsFp8AmaxFloor;
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    alo = num::MaxF(alo, num::AbsF(lo[i]));
+    ahi = num::MaxF(ahi, num::AbsF(hi[i]));
+  }
+  if (!hi_nope) ahi = num::kDsFp8AmaxFloor;  // RoPE channels are not quantized
+  float slo, shi;
+  uint8_t blo = 0, bhi = 0;
+  if (p.fmt == kDsFp8) {
+    // tile = 8 consecutive lanes of one half
+#pragma unroll
+    for (int off = 1; off < 8; off <<= 1) {
+      alo = num::MaxF(alo, __shfl_xor_sync(kFull, alo, off));
+      ahi = num::MaxF(ahi, __shfl_xor_sync(kFull, ahi, off));
+    }
+    blo = num::Pow2CeilE8m0(alo / num::kE4m3Max);
+    bhi = num::Pow2CeilE8m0(ahi / num::kE4m3Max);
+    slo = num::E8m0ToF32(blo);
+    shi = num::E8m0ToF32(bhi);
+  } else {  // fp8_token: one scale over the 448 NoPE channels
+    float a = num::MaxF(alo, ahi);
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) a = num::MaxF(a, __shfl_xor_sync(kFull, a, off));
+    slo = shi = a / num::kE4m3Max;
+  }
+  auto codes8 = [](const float* x, float s) {
+    uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w0 |= static_cast<uint32_t>(num::F32ToE4m3(num::Clamp(x[i] / s, num::kE4m3Max))) << (8 * i);
+      w1 |= static_cast<uint32_t>(num::F32ToE4m3(num::Clamp(x[4 + i] / s, num::kE4m3Max)))
+            << (8 * i);
+    }
+    return make_uint2(w0, w1);
+  };
+  uint2* nope = reinterpret_cast<uint2*>(p.nope + e * kNopeDim);
+  nope[jlo] = codes8(lo, slo);
+  if (hi_nope) nope[jhi] = codes8(hi, shi);
+  else reinterpret_cast<uint4*>(rope)[jhi - kNopeChunks] = PackBf16x8(hi);
+  if (p.fmt == kDsFp8) {
+    if ((lane & 7) == 0) {
+      p.scale[e * kNopeTiles + (lane >> 3)] = blo;
+      if (hi_nope) p.scale[e * kNopeTiles + 4 + (lane >> 3)] = bhi;
+    }
+  } else if (lane == 0) {
+    reinterpret_cast<float*>(p.scale)[e] = slo;
+  }
+}
+
+// ---- decode ------------------------------------------------------------------------
+// The bf16 bits of code * s (exactly num::F32ToBf16(num::E4m3ToF32(c) * s)),
+// for one code; the NaN cases follow the host, where a NaN operand of the
+// product is returned as it is.
+__device__ __forceinline__ uint16_t DequantOne(uint8_t c, float s) {
+  if ((c & 0x7fu) == 0x7fu) return num::F32ToBf16(num::E4m3ToF32(c));
+  if (num::IsNan(s)) return num::F32ToBf16(s);
+  return num::F32ToBf16(num::E4m3ToF32(c) * s);
+}
+
+// 8 e4m3 codes times s as 8 bf16. Fast path: the hardware conversions
+// (e4m3 -> f16 is exact, the product is one IEEE multiply, f32 -> bf16 is
+// round-to-nearest-even like F32ToBf16); NaN codes or a NaN scale take the
+// scalar path so that their bits match the host.
+__device__ __forceinline__ uint4 DequantChunk(uint2 codes, float s) {
+  const uint64_t c = (static_cast<uint64_t>(codes.y) << 32) | codes.x;
+  const uint64_t t = (c & 0x7f7f7f7f7f7f7f7full) ^ 0x7f7f7f7f7f7f7f7full;
+  const bool nan_code = ((t - 0x0101010101010101ull) & ~t & 0x8080808080808080ull) != 0;
+  uint32_t w[4];
+  if (nan_code || num::IsNan(s)) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint8_t c0 = static_cast<uint8_t>(c >> (16 * i)), c1 = static_cast<uint8_t>(c >> (16 * i + 8));
+      w[i] = static_cast<uint32_t>(DequantOne(c0, s)) |
+             (static_cast<uint32_t>(DequantOne(c1, s)) << 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>((c >> (16 * i)) & 0xffffu), __NV_E4M3);
+      float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+      __nv_bfloat162 b = __floats2bfloat162_rn(__fmul_rn(f.x, s), __fmul_rn(f.y, s));
+      w[i] = *reinterpret_cast<uint32_t*>(&b);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The raw bytes of one entry a lane needs (its two chunks and their
+// scales): loading is split from decoding so that a warp can have several
+// entries in flight before its first store.
+struct EntryRegs {
+  uint4 lo, hi;  // fp8: codes in .x/.y (hi: RoPE bf16 in all four for lanes 24..31)
+  float slo, shi;
+};
+
+__device__ __forceinline__ EntryRegs WarpLoadEntry(const EntryPool& p, int64_t e) {
+  const int lane = threadIdx.x & 31;
+  const int jlo = lane, jhi = lane + 32;
+  const bool hi_nope = jhi < kNopeChunks;
+  const uint4* rope = reinterpret_cast<const uint4*>(p.rope + e * kRopeDim);
+  EntryRegs r;
+  r.slo = r.shi = 1.f;
+  if (p.fmt == kBf16) {
+    const uint4* nope =
+        reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.nope) + e * kNopeDim);
+    r.lo = __ldg(nope + jlo);
+    r.hi = hi_nope ? __ldg(nope + jhi) : __ldg(rope + (jhi - kNopeChunks));
+    return r;
+  }
+  const uint2* nope = reinterpret_cast<const uint2*>(p.nope + e * kNopeDim);
+  const uint2 clo = __ldg(nope + jlo);
+  r.lo = make_uint4(clo.x, clo.y, 0, 0);
+  if (hi_nope) {
+    const uint2 chi = __ldg(nope + jhi);
+    r.hi = make_uint4(chi.x, chi.y, 0, 0);
+  } else {
+    r.hi = __ldg(rope + (jhi - kNopeChunks));
+  }
+  if (p.fmt == kDsFp8) {
+    r.slo = num::E8m0ToF32(__ldg(p.scale + e * kNopeTiles + (jlo >> 3)));
+    if (hi_nope) r.shi = num::E8m0ToF32(__ldg(p.scale + e * kNopeTiles + (jhi >> 3)));
+  } else {
+    r.slo = r.shi = __ldg(reinterpret_cast<const float*>(p.scale) + e);
+  }
+  return r;
+}
+
+// Decodes loaded entry bytes to 512 bf16 at `out` (16-byte aligned).
+__device__ __forceinline__ void WarpStoreEntry(int fmt, const EntryRegs& r, uint16_t* out) {
+  const int lane = threadIdx.x & 31;
+  const int jlo = lane, jhi = lane + 32;
+  uint4* dst = reinterpret_cast<uint4*>(out);
+  if (fmt == kBf16) {
+    dst[jlo] = r.lo;
+    dst[jhi] = r.hi;
+    return;
+  }
+  dst[jlo] = DequantChunk(make_uint2(r.lo.x, r.lo.y), r.slo);
+  dst[jhi] = jhi < kNopeChunks ? DequantChunk(make_uint2(r.hi.x, r.hi.y), r.shi) : r.hi;
+}
+
+// Writes entry e of `p` as 512 bf16 to `out` (16-byte aligned). All 32 lanes call.
+__device__ __forceinline__ void WarpDecodeEntry(const EntryPool& p, int64_t e, uint16_t* out) {
+  WarpStoreEntry(p.fmt, WarpLoadEntry(p, e), out);
+}
+
+// A zero row of 512 bf16.
+__device__ __forceinline__ void WarpZeroRow(uint16_t* out) {
+  const int lane = threadIdx.x & 31;
+  uint4* dst = reinterpret_cast<uint4*>(out);
+  dst[lane] = make_uint4(0, 0, 0, 0);
+  dst[lane + 32] = make_uint4(0, 0, 0, 0);
+}
+
+// The gathers' loop: one warp per output row, grid-stride, two rows per
+// iteration with both rows' loads issued before either store. row_entry(row)
+// is called once per row; it does the row's side outputs (errors, positions,
+// flags) and returns the entry to decode, or -1 for a zero row.
+template <typename RowEntry>
+__device__ __forceinline__ void GatherRows(const EntryPool& pool, uint16_t* out_kv, int64_t rows,
+                                           RowEntry row_entry) {
+  const int64_t wpb = blockDim.x >> 5;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * wpb;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * wpb + (threadIdx.x >> 5); r0 < rows;
+       r0 += 2 * warps) {
+    const int64_t r1 = r0 + warps;
+    const int64_t e0 = row_entry(r0);
+    const int64_t e1 = r1 < rows ? row_entry(r1) : -1;
+    EntryRegs x0, x1;
+    if (e0 >= 0) x0 = WarpLoadEntry(pool, e0);
+    if (e1 >= 0) x1 = WarpLoadEntry(pool, e1);
+    if (e0 >= 0) WarpStoreEntry(pool.fmt, x0, out_kv + r0 * kHeadDim);
+    else WarpZeroRow(out_kv + r0 * kHeadDim);
+    if (r1 < rows) {
+      if (e1 >= 0) WarpStoreEntry(pool.fmt, x1, out_kv + r1 * kHeadDim);
+      else WarpZeroRow(out_kv + r1 * kHeadDim);
+    }
+  }
+}
+
+inline ffi::Error LaunchStatus(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + " launch: " + cudaGetErrorString(err));
+}
+
+}  // namespace cuda
+}  // namespace dsv4

@@ -1,0 +1,162 @@
+"""The CUDA handlers over many steps (DESIGN §8, §9, §12), on the GPU only.
+
+* A jitted multi-layer step (write_step + read_step) run for many steps with
+  changing inputs on impl "cuda" equals the same on "reference" step by step.
+  The reference runs on the CPU device: there XLA performs every bf16
+  rounding the oracle asks for (the GPU compiler may fuse them away).
+* The whole sequence run twice on "cuda" gives identical bytes at every step
+  (a moving result is a race).
+* Bad rows (slots, positions, missing blocks, indices, lengths, layer -1)
+  are dropped and counted as the reference does.
+* A donated jitted write_step on "cuda" updates the state in place.
+"""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsv4_jax as dj
+from conftest import CUDA, assert_trees_bytes_equal, requires_cpu_ffi
+from dsv4_jax import CacheConfig, init_state
+from dsv4_jax import config as C
+from inplace import assert_in_place
+from scenario import Flips, Schedule, assert_outputs_equal, compare_states, layer_params, \
+    read_step, step_inputs, write_step
+
+# DSV4_REPLAY_IMPL=cpu runs the same checks on the CPU handlers (a check of
+# the test itself on a machine without a GPU).
+IMPL = os.environ.get("DSV4_REPLAY_IMPL", "cuda")
+pytestmark = CUDA if IMPL == "cuda" else [requires_cpu_ffi]
+MAX_FLIP_FRACTION = 1e-3
+
+
+def _jits(impl):
+    """Jitted write and read steps; every array is an argument (nothing
+    closed over), so a call on CPU-committed arguments runs on the CPU."""
+    write = jax.jit(lambda s, m, x, p: write_step(s, m, x, p, impl), donate_argnums=0)
+    read = jax.jit(lambda s, m, q: read_step(s, m, q, impl))
+    return write, read
+
+
+def _host(tree):
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def _cpu(tree):
+    """The tree committed to the CPU device: a jit called on it runs there."""
+    return jax.device_put(tree, jax.devices("cpu")[0])
+
+
+@pytest.mark.parametrize("kv_format,steps", [("ds_fp8", 20), ("fp8_token", 10), ("bf16", 10)])
+def test_replay_equals_reference_and_repeats(kv_format, steps):
+    cfg = CacheConfig.tiny(kv_format=kv_format, max_context=1024, num_blocks=24)
+    params = layer_params(cfg, seed=5)
+    params_cpu = _cpu(params)
+    sched = Schedule(cfg, seed=11, decode_after=5)
+    rng = np.random.default_rng(12)
+    w_cuda, r_cuda = _jits(IMPL)
+    w_ref, r_ref = _jits("reference")
+    run1, run2, ref = init_state(cfg), init_state(cfg), _cpu(init_state(cfg))
+    flips = Flips()
+    for step in range(steps):
+        meta = sched.next()
+        inputs = step_inputs(cfg, meta.num_tokens, rng)
+        q = sched.queries(meta, k=16)
+        run1 = w_cuda(run1, meta, inputs, params)
+        run2 = w_cuda(run2, meta, inputs, params)
+        ref = w_ref(ref, _cpu(meta), _cpu(inputs), params_cpu)
+        compare_states(run1, ref, flips, f"step {step} ")
+        assert_trees_bytes_equal(_host(run1), _host(run2), f"step {step} rerun ")
+        out1, out2 = _host(r_cuda(run1, meta, q)), _host(r_cuda(run2, meta, q))
+        assert_trees_bytes_equal(out1, out2, f"step {step} rerun reads ")
+        assert_outputs_equal(out1, r_ref(_cpu(run1), _cpu(meta), _cpu(q)), f"step {step} ")
+    print(f"cuda {kv_format}: {steps} steps, one-code flips {flips}")
+    assert flips.fraction < MAX_FLIP_FRACTION, flips
+
+
+def _prefilled(cfg, params, impl, seed=3):
+    """A state with two requests prefilled through `impl` (blocks assigned)."""
+    m = dj.CacheManager(cfg)
+    a, b = m.admit(), m.admit()
+    meta = m.prepare_step({a: 300, b: 140})
+    rng = np.random.default_rng(seed)
+    inputs = step_inputs(cfg, meta.num_tokens, rng)
+    write, _ = _jits(impl)
+    args = (init_state(cfg), meta, inputs, params)
+    if impl == "reference":
+        args = _cpu(args)
+    return write(*args)
+
+
+def _both(f, ours, ref, *args):
+    """f(state, *args, impl) on cuda (GPU arrays) and on reference (CPU)."""
+    return f(ours, *args, IMPL), f(_cpu(ref), *_cpu(args), "reference")
+
+
+def test_bad_rows_dropped_and_counted_like_reference():
+    cfg = CacheConfig.tiny(max_context=512, num_blocks=16)
+    params = layer_params(cfg, seed=7)
+    ours = _prefilled(cfg, params, IMPL)
+    ref = _prefilled(cfg, params, "reference")
+    flips = Flips()
+    compare_states(ours, ref, flips, "prefill ")
+    R, mc = cfg.max_requests, cfg.max_context
+    rng = np.random.default_rng(21)
+    T = 64
+    # append: garbage slots/positions, several tokens on one (slot, ring slot),
+    # equal positions twice (the later row wins)
+    slot = rng.choice([-1, -7, 0, 1, 2, 3, R, R + 9], T).astype(np.int32)
+    pos = rng.choice([-4, 5, 133, 261, 389, 5, 77, mc, mc + 100, 300], T).astype(np.int32)
+    meta = dj.StepMeta.build(token_slot=slot, token_pos=pos, lengths=np.zeros(R, np.int32))
+    kv = jnp.asarray(rng.normal(0, 3, (T, C.HEAD_DIM)), jnp.bfloat16)
+    fa = jax.jit(lambda s, l, m, k, impl: dj.append(s, l, m, k, impl=impl), static_argnums=4)
+    for layer in list(range(cfg.num_layers)) + [-1]:
+        ours, ref = _both(fa, ours, ref, jnp.int32(layer), meta, kv)
+    compare_states(ours, ref, flips, "append ")
+    # flush: the next valid tokens of request 0 interleaved with bad rows
+    # (bad slot, negative position, a slot with no blocks)
+    n0 = 300
+    fslot = np.array([0, -1, 9, 0, 2, 0, 0, -5, 0], np.int32)
+    fpos = np.array([n0, 0, 3, n0 + 1, 7, -2, n0 + 2, 1, n0 + 3], np.int32)
+    fmeta = dj.StepMeta.build(token_slot=fslot, token_pos=fpos, lengths=np.zeros(R, np.int32))
+    inputs = step_inputs(cfg, len(fslot), rng)
+    ff = jax.jit(lambda s, l, m, x, p, impl: dj.flush(
+        s, l, m, x["ckv"], x["score"], p, index_kv=x.get("ikv"), index_score=x.get("iscore"),
+        impl=impl), static_argnums=5)
+    for layer, kind in enumerate(cfg.layer_kinds):
+        if kind != C.SWA:
+            ours, ref = _both(ff, ours, ref, jnp.int32(layer), fmeta, inputs[layer], params[layer])
+    compare_states(ours, ref, flips, "flush ")
+    # gathers with bad slots, lengths, indices and a bad layer, on the same state
+    slots = jnp.asarray([0, -1, 1, R + 2, -3, 2], jnp.int32)
+    lengths = jnp.asarray([304, 0, 140, 5, 9, 600], jnp.int32)
+    qslot = jnp.asarray([0, 1, -1, 7, 0, 1], jnp.int32)
+    qpos = jnp.asarray([303, 139, 5, 4, -1, 60], jnp.int32)
+    idx = jnp.asarray(rng.integers(-3, 90, (6, 32)), jnp.int32)
+    g = jax.jit(lambda s, l, sl, ln, qs, qp, ix, impl: (
+        dj.gather_window(s, l, sl, impl=impl, return_state=True),
+        dj.gather_topk(s, l, qs, qp, ix, impl=impl, return_state=True),
+        dj.gather_all(s, l, sl, ln, 4, impl=impl, return_state=True)), static_argnums=7)
+    for layer in [0, 1, 2, 3, -1]:
+        a, b = _both(g, ours, ours, jnp.int32(layer), slots, lengths, qslot, qpos, idx)
+        for x, y, what in zip(_host(a), _host(b), ("window", "topk", "all")):
+            assert_outputs_equal({what: x[:2]}, {what: y[:2]}, f"layer {layer} ")
+            np.testing.assert_array_equal(x[2].errors, y[2].errors,
+                                          err_msg=f"layer {layer} {what} errors")
+    assert np.asarray(ours.errors).sum() > 0
+
+
+def test_write_step_in_place_on_gpu():
+    cfg = CacheConfig.tiny()
+    params = layer_params(cfg, seed=2)
+    sched = Schedule(cfg, seed=4, decode_after=1)
+    rng = np.random.default_rng(5)
+    meta = sched.next()
+    inputs = step_inputs(cfg, meta.num_tokens, rng)
+    step, _ = _jits(IMPL)
+    state = assert_in_place(step, init_state(cfg), meta, inputs, params)
+    meta = sched.next()
+    inputs = step_inputs(cfg, meta.num_tokens, rng)
+    assert_in_place(step, state, meta, inputs, params)
