@@ -7,7 +7,8 @@
 // to the later row, as one 64-bit atomicMax of (pos << 32 | row + 1). The max
 // does not depend on the order of arrival, so the winner is the host's. Then
 // the block's warps encode the winning rows (one warp per entry, two
-// entries in flight per warp, 16-byte loads and stores). Block 0 also counts the dropped tokens, once each.
+// entries in flight per warp, 16-byte loads and stores). Block 0 also counts the dropped tokens, once each;
+// a row holding NaN/Inf is counted (NONFINITE) and skipped by its owning block.
 // Requests beyond kMaxTableSlots are handled in further passes of the scan.
 #include <cuda_runtime.h>
 
@@ -70,6 +71,11 @@ __global__ void __launch_bounds__(kThreads) AppendKernel(AppendArgs a) {
       if (static_cast<uint32_t>(s - base) >= static_cast<uint32_t>(nslots)) continue;
       if (p < 0 || p >= max_context) continue;
       if (((s + (p & (kWindow - 1))) & gmask) != me) continue;
+      // Only the owning block reads the row, so each token is checked once.
+      if (!cuda::RowIsFiniteBf16(kv + static_cast<int64_t>(t) * cuda::kChunks)) {
+        atomicAdd(&a.errors[kNonfinite], 1);
+        continue;
+      }
       atomicMax(&table[s - base],
                 (static_cast<unsigned long long>(p) << 32) | static_cast<unsigned long long>(t + 1));
     }

@@ -221,6 +221,18 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
       if (c == 0) atomicAdd(&a.errors[cin.err], 1);
       continue;
     }
+    // NaN/Inf anywhere in the token's inputs drops it: each thread checks the
+    // channels it loaded, the block decides together (cin.err is uniform).
+    bool bad = !(num::IsFinite(cin.sb) && num::IsFinite(cin.vb));
+    if (kCsa) bad = bad || !(num::IsFinite(cin.sa) && num::IsFinite(cin.va));
+    if (ich) {
+      bad = bad || !(num::IsFinite(cin.isb) && num::IsFinite(cin.ivb) &&
+                     num::IsFinite(cin.isa) && num::IsFinite(cin.iva));
+    }
+    if (__syncthreads_or(bad)) {
+      if (c == 0) atomicAdd(&a.errors[kNonfinite], 1);
+      continue;
+    }
     touched = true;
     const int64_t p = cin.p, block = cin.block;
     const int64_t w = p / m;

@@ -32,11 +32,11 @@ __global__ void __launch_bounds__(kThreads) GatherTopkKernel(GatherTopkArgs a) {
       } else {
         const int64_t i = __ldg(a.indices + row);
         if (i == -1) {
-        } else if (i < -1 || i >= (p + 1) / kCsaRatio) {
-          err = kBadIndex;
+        } else if (i < -1 || i >= (p + 1) / kCsaRatio || i >= a.MB * a.per_block) {
+          err = kBadIndex;  // past the block table counts as a bad index
         } else {
           const int64_t logical = i / a.per_block;
-          const int64_t block = logical < a.MB ? __ldg(a.block_table + s * a.MB + logical) : -1;
+          const int64_t block = __ldg(a.block_table + s * a.MB + logical);
           if (block < 0 || block >= a.N) err = kMissingBlock;
           else e = (l * a.N + block) * a.per_block + i % a.per_block;
         }

@@ -105,6 +105,8 @@ def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.
     T = token_slot.shape[0]
     check_array("token_pos", token_pos, (T,), _I32)
     check_array("indices", indices, (T, None), _I32)
+    if indices.shape[1] == 0:
+        raise ValueError("indices: expected at least one index per token (k >= 1), got k = 0")
     if cfg.sharded:
         return _sharded(lambda st, lay, s, p, i: gather_topk(st, lay, s, p, i, impl=impl,
                                                              return_state=return_state),

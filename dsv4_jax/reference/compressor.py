@@ -60,7 +60,7 @@ def rms_norm(x, weight):
     xf = x.astype(jnp.float32)
     var = quant.ieee_div(jnp.sum(xf * xf, axis=-1, keepdims=True), x.shape[-1])
     inv = quant.ieee_div(1.0, jnp.sqrt(var + jnp.float32(C.NORM_EPS)))
-    return ((xf * inv) * weight.astype(jnp.float32)).astype(jnp.bfloat16)
+    return quant.to_bf16((xf * inv) * weight.astype(jnp.float32))
 
 
 def rope(x, positions, inv_freq):
@@ -72,7 +72,7 @@ def rope(x, positions, inv_freq):
     pairs = tail.reshape(tail.shape[:-1] + (C.ROPE_DIM // 2, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(tail.shape)
-    return jnp.concatenate([head, out.astype(jnp.bfloat16)], axis=-1)
+    return jnp.concatenate([head, quant.to_bf16(out)], axis=-1)
 
 
 def hadamard(x):
@@ -87,12 +87,12 @@ def hadamard(x):
         a, b = z[..., 0, :], z[..., 1, :]
         y = jnp.stack([a + b, a - b], axis=-2).reshape(lead + (n,))
         h *= 2
-    return (y * jnp.float32(HADAMARD_SCALE)).astype(jnp.bfloat16)
+    return quant.to_bf16(y * jnp.float32(HADAMARD_SCALE))
 
 
 def epilogue(pooled, positions, params):
     """f32 pooled values [..., d] of entries at `positions` -> bf16 keys."""
-    y = pooled.astype(jnp.bfloat16)
+    y = quant.to_bf16(pooled)
     y = rms_norm(y, params.norm)
     return rope(y, positions, params.inv_freq)
 

@@ -79,6 +79,17 @@ def exponent_to_f32(e):
     return jax.lax.bitcast_convert_type(e.astype(_U32) << 23, jnp.float32)
 
 
+def to_bf16(x):
+    """f32 -> bf16, round to nearest even, done on the bits. A plain astype
+    round trip f32 -> bf16 -> f32 may be skipped by XLA where it allows excess
+    precision (its GPU default); a bitcast cannot be, so the official bf16
+    rounding points hold on every backend and flag setting."""
+    b = _bits(x)
+    r = (b + jnp.uint32(0x7FFF) + ((b >> 16) & 1)) >> 16
+    r = jnp.where(jnp.isnan(x), (b >> 16) | 0x40, r)          # NaN stays a quiet NaN
+    return jax.lax.bitcast_convert_type(r.astype(jnp.uint16), jnp.bfloat16)
+
+
 def divide_by_pow2(x, e):
     """x / 2^(e-127) for f32 x and int32 biased exponents e (broadcast), exact,
     by exponent arithmetic on the bits. XLA on the CPU treats subnormal inputs
