@@ -45,20 +45,20 @@ class FlipStats:
         self.flips = collections.Counter()
         self.rounded = set()      # kinds where a one-code flip is allowed
 
-    def compare(self, kind, got, want, sign_bit, where=""):
-        """Raw sign-magnitude codes: equal, or one code apart (a rounding
-        boundary); anything else fails."""
+    def compare(self, kind, got, want, sign_bit, where="", max_codes=1):
+        """Raw sign-magnitude codes: equal, or at most `max_codes` apart (a
+        rounding boundary); anything else fails. Every difference is counted."""
         got, want = np.asarray(got), np.asarray(want)
         assert got.shape == want.shape, (kind, got.shape, want.shape)
         d = np.abs(_ordinal(got, sign_bit) - _ordinal(want, sign_bit))
-        bad = d > 1
+        bad = d > max_codes
         if bad.any():
             idx = np.argwhere(bad)[:5]
-            raise AssertionError(f"{kind}{where}: {bad.sum()} values differ by more than one "
-                                 f"code, first at {idx.tolist()}: got "
+            raise AssertionError(f"{kind}{where}: {bad.sum()} values differ by more than "
+                                 f"{max_codes} code(s), first at {idx.tolist()}: got "
                                  f"{got[tuple(idx.T)].tolist()} want {want[tuple(idx.T)].tolist()}")
         self.values[kind] += d.size
-        self.flips[kind] += int((d == 1).sum())
+        self.flips[kind] += int((d >= 1).sum())
         self.rounded.add(kind)
 
     def exact(self, kind, got, want, where=""):
@@ -88,7 +88,10 @@ class FlipStats:
 def compare_kv(stats, fmt, got: dict, want: dict, where=""):
     """KV entries as raw dicts. Scales must match exactly; codes may flip by one."""
     if fmt == "bf16":
-        stats.compare("bf16 nope", got["nope"], want["nope"], 0x8000, where)
+        # Two bf16 roundings in a row (pooled -> bf16, RMSNorm output -> bf16):
+        # a one-ulp exp/libm difference at the first can move the second by
+        # two codes (seen once in 896,000 values on an H100). Still counted.
+        stats.compare("bf16 nope", got["nope"], want["nope"], 0x8000, where, max_codes=2)
     else:
         stats.exact(f"{fmt} scale", got["scale"], want["scale"], where)
         stats.compare("fp8 code", got["nope"], want["nope"], 0x80, where)

@@ -67,6 +67,14 @@ def test_block_quantizers_bit_exact(gpu, name, width, scale_dtype):
     x[1, 3] = np.nan
     x[2, 5] = np.inf
     (cc, cs), (gc, gs) = both(name, gpu, x, outs=[(x.shape, U8), (len(x), scale_dtype)])
+    if name == "fp8_token":
+        # NaN input: the device's IEEE division returns the canonical +NaN
+        # where the host keeps the sign. Both are e4m3 NaN (0x7f / 0xff), and
+        # the ops drop NaN tokens before quantizing (NONFINITE), so only the
+        # NaN-ness must agree there.
+        nan = (cc & 0x7F) == 0x7F
+        np.testing.assert_array_equal(nan, (gc & 0x7F) == 0x7F)
+        cc, gc = np.where(nan, 0x7F, cc), np.where(nan, 0x7F, gc)
     np.testing.assert_array_equal(cc, gc)
     np.testing.assert_array_equal(cs.view(np.uint8), gs.view(np.uint8))
 
