@@ -4,6 +4,7 @@ State is a pytree of device buffers (`CacheState`); ops are functional and
 update the buffers in place under `jax.jit(..., donate_argnames=...)`.
 """
 from . import _ffi  # registers the FFI targets of the compiled modules
+from . import sharding
 from .config import CacheConfig
 from .errors import CacheInputError, ErrorKind, check_errors
 from .manager import CacheFullError, CacheManager

@@ -16,11 +16,8 @@ ffi::Error AppendImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer lay
   DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
                                       swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
                                       entry_rets, &a));
-  const int64_t l = *a.layer;
-  if (l < 0 || l >= a.L) {
-    ++a.errors[kBadLayer];
-    return ffi::Error::Success();
-  }
+  int64_t l;
+  if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   // Pass 1: the winning row of each (slot, ring slot): largest position, ties
   // to the later row. Pass 2: write the winners.
   std::vector<int64_t> winner(static_cast<size_t>(a.R) * kWindow, -1);

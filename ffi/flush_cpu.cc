@@ -136,11 +136,8 @@ ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer l
       kv_format, max_context, layer, token_slot, token_pos, kv, score, ape, norm, inv_freq,
       index_kv, index_score, index_ape, index_norm, index_inv_freq, block_table, rest, *comp,
       *icomp, *packed, *iscale, *errors, entry_rets, &a));
-  const int64_t l = *a.layer;
-  if (l < 0 || l >= a.L) {
-    ++a.errors[kBadLayer];
-    return ffi::Error::Success();
-  }
+  int64_t l;
+  if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   FlushCsa(a, l);
   return ffi::Error::Success();
 }
@@ -155,11 +152,8 @@ ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer l
   DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, layer, token_slot, token_pos, kv,
                                         score, ape, norm, inv_freq, block_table, rest, *comp,
                                         *errors, entry_rets, &a));
-  const int64_t l = *a.layer;
-  if (l < 0 || l >= a.L) {
-    ++a.errors[kBadLayer];
-    return ffi::Error::Success();
-  }
+  int64_t l;
+  if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   FlushHca(a, l);
   return ffi::Error::Success();
 }

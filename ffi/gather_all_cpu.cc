@@ -18,11 +18,8 @@ ffi::Error GatherAllImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer 
                                          *errors, &a));
   std::memset(a.out_kv, 0, static_cast<size_t>(a.B * a.E) * kHeadDim * sizeof(uint16_t));
   for (int64_t b = 0; b < a.B; ++b) a.count[b] = 0;
-  const int64_t l = *a.layer;
-  if (l < 0 || l >= a.L) {
-    ++a.errors[kBadLayer];
-    return ffi::Error::Success();
-  }
+  int64_t l;
+  if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   for (int64_t b = 0; b < a.B; ++b) {
     int64_t s = a.slots[b], len = a.lengths[b];
     if (s == -1) continue;

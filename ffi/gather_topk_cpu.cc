@@ -19,11 +19,8 @@ ffi::Error GatherTopkImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffe
   const int64_t rows = a.T * a.K;
   std::memset(a.out_kv, 0, static_cast<size_t>(rows) * kHeadDim * sizeof(uint16_t));
   for (int64_t i = 0; i < rows; ++i) a.valid[i] = false;
-  const int64_t l = *a.layer;
-  if (l < 0 || l >= a.L) {
-    ++a.errors[kBadLayer];
-    return ffi::Error::Success();
-  }
+  int64_t l;
+  if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   for (int64_t t = 0; t < a.T; ++t) {
     int64_t s = a.slot[t], p = a.pos[t];
     if (s == -1) continue;

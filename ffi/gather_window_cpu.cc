@@ -18,11 +18,8 @@ ffi::Error GatherWindowImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuf
   const int64_t rows = a.B * kWindow;
   std::memset(a.out_kv, 0, static_cast<size_t>(rows) * kHeadDim * sizeof(uint16_t));
   for (int64_t i = 0; i < rows; ++i) a.out_pos[i] = -1;
-  const int64_t l = *a.layer;
-  if (l < 0 || l >= a.L) {
-    ++a.errors[kBadLayer];
-    return ffi::Error::Success();
-  }
+  int64_t l;
+  if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   for (int64_t b = 0; b < a.B; ++b) {
     int64_t s = a.slots[b];
     if (s == -1) continue;

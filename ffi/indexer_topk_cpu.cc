@@ -23,11 +23,8 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                                            errors_in, packed, scale, *indices, *scratch, *errors,
                                            &a));
   for (int64_t i = 0; i < a.T * a.K; ++i) a.indices[i] = -1;
-  const int64_t l = *a.layer;
-  if (l < 0 || l >= a.L) {
-    ++a.errors[kBadLayer];
-    return ffi::Error::Success();
-  }
+  int64_t l;
+  if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   constexpr int64_t per_block = kBlockTokens / kCsaRatio;
   std::vector<float> qf(kIndexHeads * kIndexDim);
   std::vector<uint64_t> cand;

@@ -30,15 +30,18 @@ def compiled_text(step, *args):
     return step.lower(*args).compile().as_text()
 
 
-def assert_in_place(step, state, *args, min_bytes: int = 4096):
+def assert_in_place(step, state, *args, min_bytes: int = 4096, only=None):
     """`step(state, *args)` (jitted with the state donated as argument 0)
     aliases every state leaf of at least `min_bytes` and copies none of them;
-    after running, every such leaf keeps its buffer pointer. Returns the new
-    state."""
+    after running, every such leaf keeps its buffer pointer. `only`, a
+    predicate on a leaf's path string, narrows the leaves checked. Returns the
+    new state."""
     hlo = compiled_text(step, state, *args)
-    leaves = jax.tree_util.tree_leaves(state)
+    with_path = jax.tree_util.tree_leaves_with_path(state)
+    leaves = [x for _, x in with_path]
     aliased = _aliased_params(hlo)
-    big = [i for i, x in enumerate(leaves) if x.nbytes >= min_bytes]
+    big = [i for i, (path, x) in enumerate(with_path) if x.nbytes >= min_bytes
+           and (only is None or only(jax.tree_util.keystr(path)))]
     missing = [i for i in big if i not in aliased]
     assert not missing, f"state leaves {missing} are not aliased in:\n{hlo[:2000]}"
     pool_shapes = {f"{x.dtype.name if hasattr(x.dtype, 'name') else x.dtype}"

@@ -44,3 +44,27 @@ def token_checks(token_slot, token_pos, R: int, max_context: int):
     slot_ok = (token_slot >= 0) & (token_slot < R)
     pos_ok = (token_pos >= 0) & (token_pos < max_context)
     return slot_ok & pos_ok, ~pad & ~slot_ok, slot_ok & ~pos_ok
+
+
+
+def set_pool_rows(pool, index, values):
+    """pool.at[index].set(values, mode="drop") that stays in place.
+
+    `index` is a tuple with one entry per leading axis: a slice, a scalar, or
+    an int array of n rows (all arrays alike); `values` either per row (rows
+    axis first) or broadcast to every row. With n = 1 XLA rewrites the
+    scatter into a dynamic-update-slice that its CPU backend fuses with the
+    update's computation into a fresh buffer and then copies into the donated
+    pool, a copy of the whole pool per decode step; one extra row with an
+    out-of-range index (dropped) keeps it a scatter, which updates in place."""
+    values = jnp.asarray(values).astype(pool.dtype)
+    rows = [i for i in index if not isinstance(i, slice) and jnp.ndim(i) == 1]
+    if rows and rows[0].shape[0] == 1:
+        index = tuple(i if isinstance(i, slice) or jnp.ndim(i) == 0 else
+                      jnp.concatenate([i, jnp.full((1,), pool.shape[axis], jnp.asarray(i).dtype)])
+                      for axis, i in enumerate(index))
+        # Values given per row (rows axis first, no slice before the arrays)
+        # get a copy for the dropped row; others broadcast as they are.
+        if values.ndim and not isinstance(index[0], slice) and values.shape[0] == 1:
+            values = jnp.concatenate([values, values], axis=0)
+    return pool.at[index].set(values, mode="drop")

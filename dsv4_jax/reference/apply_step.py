@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from ..errors import ErrorKind
 from ..state import CacheState, E8M0, empty_accumulator
+from ._rows import set_pool_rows
 
 
 def scrub_value(dtype):
@@ -39,11 +40,11 @@ def apply_step(state: CacheState, new_blocks: jax.Array, reset_slots: jax.Array)
     errors = errors.at[ErrorKind.BAD_SLOT].add(
         jnp.sum((reset_slots != -1) & ~reset_ok, dtype=jnp.int32))
     rs = jnp.where(reset_ok, reset_slots, R)        # R = dropped by mode="drop"
-    block_table = state.block_table.at[rs].set(-1, mode="drop")
-    pos = state.swa.pos.at[:, rs].set(-1, mode="drop")
+    block_table = set_pool_rows(state.block_table, (rs,), -1)
+    pos = set_pool_rows(state.swa.pos, (slice(None), rs), -1)
 
     def reset(comp):
-        return comp.at[:, rs].set(empty_accumulator(comp.shape[2:], comp.dtype), mode="drop")
+        return set_pool_rows(comp, (slice(None), rs), empty_accumulator(comp.shape[2:], comp.dtype))
 
     csa_comp, csa_icomp, hca_comp = reset(state.csa.comp), reset(state.csa.icomp), reset(state.hca.comp)
 
@@ -60,11 +61,11 @@ def apply_step(state: CacheState, new_blocks: jax.Array, reset_slots: jax.Array)
     superseded = jnp.any(later & valid[None, :] & (s[:, None] == s[None, :])
                          & (logical[:, None] == logical[None, :]), axis=1)
     write = valid & ~superseded
-    block_table = block_table.at[jnp.where(write, s, R), logical].set(physical, mode="drop")
+    block_table = set_pool_rows(block_table, (jnp.where(write, s, R), logical), physical)
 
     # 3. scrub every block handed out, in every pool
     scrub_at = jnp.where(valid, physical, N)
-    pools = [p.at[:, scrub_at].set(scrub_value(p.dtype), mode="drop")
+    pools = [set_pool_rows(p, (slice(None), scrub_at), scrub_value(p.dtype))
              for p in pools_to_scrub(state)]
 
     out = with_pools(state, pools)

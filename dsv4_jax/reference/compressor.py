@@ -48,7 +48,7 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import ACC_KV, ACC_MAX, ACC_SUM, CacheState, empty_accumulator
 from . import quant
-from ._rows import add_errors, count, layer_ok, read_index, token_checks
+from ._rows import add_errors, count, layer_ok, read_index, set_pool_rows, token_checks
 
 _NEG_INF = -jnp.inf
 HADAMARD_SCALE = float(np.float32(1.0 / np.sqrt(C.INDEX_DIM)))
@@ -186,7 +186,7 @@ def _write_pool(pool, layer, slot_rows, entry, ok, m: int, block_table, values):
     block = jnp.where(ok, block, N)                               # N = dropped
     row = entry % per_block
     return jax.tree_util.tree_map(
-        lambda p, v: p.at[layer, block, row].set(v.astype(p.dtype), mode="drop"), pool, values)
+        lambda p, v: set_pool_rows(p, (layer, block, row), v), pool, values)
 
 
 def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, score, params,
@@ -221,7 +221,7 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
         acc, seg_slot, seg_entry, closed, pooled = _fold(
             comp[layer], slot, pos, valid, kv, z, m, overlap=csa)
         keys = epilogue(pooled, seg_entry * m, p)
-        comp = comp.at[layer_w].set(acc, mode="drop")
+        comp = set_pool_rows(comp, (jnp.reshape(layer_w, (1,)),), acc[None])
         return comp, seg_slot, seg_entry, closed, keys
 
     comp, seg_slot, seg_entry, closed, keys = run(pool_state.comp, kv, score, params)

@@ -17,7 +17,7 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import CacheState
 from . import quant
-from ._rows import add_errors, count, layer_ok, read_index, token_checks
+from ._rows import add_errors, count, layer_ok, read_index, set_pool_rows, token_checks
 
 
 def _winners(slot, pos, valid, R: int):
@@ -51,7 +51,7 @@ def append(state: CacheState, layer_idx, token_slot, token_pos, kv) -> CacheStat
     ring = jnp.where(win, token_pos % C.WINDOW, 0)
     entries = quant.quantize_kv(kv, cfg.kv_format)
     new_kv = jax.tree_util.tree_map(
-        lambda pool, val: pool.at[layer, slot, ring].set(val.astype(pool.dtype), mode="drop"),
+        lambda pool, val: set_pool_rows(pool, (layer, slot, ring), val),
         state.swa.kv, entries)
     new_pos = state.swa.pos.at[layer, slot, ring].set(token_pos, mode="drop")
     swa = state.swa.__class__(new_kv, new_pos)

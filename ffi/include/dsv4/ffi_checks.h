@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "dsv4/layout.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace dsv4 {
@@ -71,6 +72,15 @@ inline ffi::Error CheckBuffer(const char* name, const ffi::AnyBuffer& b, ffi::Da
   ffi::Error e = CheckType(name, b.element_type(), want);
   if (e.failure()) return e;
   return CheckDims(name, b.dimensions(), std::move(expected));
+}
+
+// CPU handlers: the layer operand (-1 or out of range = a bad traced layer)
+// counts BAD_LAYER once and the call then changes nothing else.
+inline bool HostLayerOk(const int32_t* layer, int64_t num_layers, int32_t* errors, int64_t* l) {
+  *l = *layer;
+  if (*l >= 0 && *l < num_layers) return true;
+  ++errors[kBadLayer];
+  return false;
 }
 
 #define DSV4_RETURN_IF_ERROR(expr)        \
