@@ -14,6 +14,8 @@ position wins (ties: the later row). Layer -1 -> BAD_LAYER once, nothing written
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -49,5 +51,5 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
         [state.swa.pos, state.errors, *entries],
         kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
     kv_entries = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.swa.kv), entries)
-    return CacheState(state.block_table, state.swa.__class__(kv_entries, pos), state.csa,
-                      state.hca, errors, cfg)
+    return dataclasses.replace(state, swa=dataclasses.replace(state.swa, kv=kv_entries, pos=pos),
+                               errors=errors)

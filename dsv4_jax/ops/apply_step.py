@@ -7,6 +7,10 @@ what the previous owner wrote (DESIGN §7).
 """
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+
 from .. import reference
 from ..meta import StepMeta
 from ..sharding import run_sharded
@@ -32,16 +36,16 @@ def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> Cach
     if impl == "reference":
         return reference.apply_step(state, new_blocks, reset_slots)
 
-    pools = reference.apply_step_pools(state)
+    pools = (state.csa.kv, state.csa.index, state.hca.kv)   # blocks handed out are scrubbed
+    pool_leaves, pool_tree = jax.tree_util.tree_flatten(pools)
     fixed = [state.block_table, state.swa.pos, state.csa.comp, state.csa.icomp,
              state.hca.comp, state.errors]
-    out = ffi_in_place(TARGET, [new_blocks, reset_slots], fixed + pools,
+    out = ffi_in_place(TARGET, [new_blocks, reset_slots], fixed + pool_leaves,
                        num_blocks=state.config.num_blocks)
     block_table, pos, comp, icomp, hca_comp, errors = out[:6]
-    new = reference.apply_step_with_pools(state, out[6:])
-    return CacheState(
-        block_table=block_table,
-        swa=new.swa.__class__(new.swa.kv, pos),
-        csa=new.csa.__class__(new.csa.kv, new.csa.index, comp, icomp),
-        hca=new.hca.__class__(new.hca.kv, hca_comp),
-        errors=errors, config=state.config)
+    csa_kv, csa_index, hca_kv = jax.tree_util.tree_unflatten(pool_tree, out[6:])
+    return dataclasses.replace(
+        state, block_table=block_table, errors=errors,
+        swa=dataclasses.replace(state.swa, pos=pos),
+        csa=dataclasses.replace(state.csa, kv=csa_kv, index=csa_index, comp=comp, icomp=icomp),
+        hca=dataclasses.replace(state.hca, kv=hca_kv, comp=hca_comp))

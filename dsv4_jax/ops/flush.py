@@ -31,6 +31,8 @@ increasing contiguous positions across calls (what CacheManager produces).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -128,12 +130,13 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
             target, ins, [pool.comp, pool.icomp, pool.index.packed, pool.index.scale,
                           state.errors, *entries], **attrs)
         kv_entries = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pool.kv), entries)
-        csa = pool.__class__(kv_entries, pool.index.__class__(packed, iscale), comp, icomp)
-        return CacheState(state.block_table, state.swa, csa, state.hca, errors, cfg)
+        index = dataclasses.replace(pool.index, packed=packed, scale=iscale)
+        csa = dataclasses.replace(pool, kv=kv_entries, index=index, comp=comp, icomp=icomp)
+        return dataclasses.replace(state, csa=csa, errors=errors)
     pool = state.hca
     entries = jax.tree_util.tree_leaves(pool.kv)
     comp, errors, *entries = ffi_in_place(
         target, common + [state.block_table], [pool.comp, state.errors, *entries], **attrs)
     kv_entries = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pool.kv), entries)
-    return CacheState(state.block_table, state.swa, state.csa, pool.__class__(kv_entries, comp),
-                      errors, cfg)
+    return dataclasses.replace(state, hca=dataclasses.replace(pool, kv=kv_entries, comp=comp),
+                               errors=errors)

@@ -36,6 +36,8 @@ the entry leaves nope, rope[, scale] come last, scale absent for bf16):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -63,8 +65,7 @@ def _sharded(fn, state, layer, rows, return_state, n_out=2):
 def _finish(state, outputs, errors, return_state):
     if not return_state:
         return outputs
-    return (*outputs, CacheState(state.block_table, state.swa, state.csa, state.hca, errors,
-                                 state.config))
+    return (*outputs, dataclasses.replace(state, errors=errors))
 
 
 def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "auto",

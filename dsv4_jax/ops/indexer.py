@@ -48,6 +48,8 @@ FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -101,5 +103,4 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
             {6: 2})
     if not return_state:
         return indices
-    return indices, CacheState(state.block_table, state.swa, state.csa, state.hca, errors,
-                               state.config)
+    return indices, dataclasses.replace(state, errors=errors)

@@ -13,11 +13,11 @@ The public ops (dsv4_jax.ops) check arguments and call these with:
 (count BAD_LAYER once, change nothing else). Semantics and error rules are in
 the docstrings of dsv4_jax/ops/*.py.
 """
-from .apply_step import apply_step, pools_to_scrub as apply_step_pools, with_pools as apply_step_with_pools
+from .apply_step import apply_step
 from .compressor import flush
 from .gather import gather_all, gather_topk
 from .indexer import indexer_topk
 from .window import append, gather_window
 
-__all__ = ["apply_step", "apply_step_pools", "apply_step_with_pools", "append", "flush",
+__all__ = ["apply_step", "append", "flush",
            "gather_window", "gather_topk", "gather_all", "indexer_topk"]

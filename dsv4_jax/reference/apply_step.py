@@ -1,6 +1,8 @@
 """jnp reference of apply_step (semantics in ffi/apply_step.h)."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -12,22 +14,6 @@ from ._rows import set_pool_rows
 def scrub_value(dtype):
     """Value a recycled block is reset to: 0, or 1.0 for e8m0 scales."""
     return jnp.ones((), dtype) if dtype == E8M0 else jnp.zeros((), dtype)
-
-
-def pools_to_scrub(state: CacheState) -> list:
-    """Every paged pool leaf (dims [layers, N, ...]) in a fixed order."""
-    return jax.tree_util.tree_leaves((state.csa.kv, state.csa.index, state.hca.kv))
-
-
-def with_pools(state: CacheState, pools: list) -> CacheState:
-    treedef = jax.tree_util.tree_structure((state.csa.kv, state.csa.index, state.hca.kv))
-    csa_kv, csa_index, hca_kv = jax.tree_util.tree_unflatten(treedef, pools)
-    return state.__class__(
-        block_table=state.block_table,
-        swa=state.swa,
-        csa=state.csa.__class__(csa_kv, csa_index, state.csa.comp, state.csa.icomp),
-        hca=state.hca.__class__(hca_kv, state.hca.comp),
-        errors=state.errors, config=state.config)
 
 
 def apply_step(state: CacheState, new_blocks: jax.Array, reset_slots: jax.Array) -> CacheState:
@@ -65,13 +51,12 @@ def apply_step(state: CacheState, new_blocks: jax.Array, reset_slots: jax.Array)
 
     # 3. scrub every block handed out, in every pool
     scrub_at = jnp.where(valid, physical, N)
-    pools = [set_pool_rows(p, (slice(None), scrub_at), scrub_value(p.dtype))
-             for p in pools_to_scrub(state)]
-
-    out = with_pools(state, pools)
-    return CacheState(
-        block_table=block_table,
-        swa=out.swa.__class__(out.swa.kv, pos),
-        csa=out.csa.__class__(out.csa.kv, out.csa.index, csa_comp, csa_icomp),
-        hca=out.hca.__class__(out.hca.kv, hca_comp),
-        errors=errors, config=cfg)
+    csa_kv, csa_index, hca_kv = jax.tree_util.tree_map(
+        lambda p: set_pool_rows(p, (slice(None), scrub_at), scrub_value(p.dtype)),
+        (state.csa.kv, state.csa.index, state.hca.kv))
+    return dataclasses.replace(
+        state, block_table=block_table, errors=errors,
+        swa=dataclasses.replace(state.swa, pos=pos),
+        csa=dataclasses.replace(state.csa, kv=csa_kv, index=csa_index, comp=csa_comp,
+                                icomp=csa_icomp),
+        hca=dataclasses.replace(state.hca, kv=hca_kv, comp=hca_comp))
