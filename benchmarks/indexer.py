@@ -55,7 +55,7 @@ def make_state(B, ctx, seed=0):
     return dataclasses.replace(st, block_table=bt, csa=csa)
 
 
-def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda"):
+def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"):
     st = make_state(B, ctx)
     rng = np.random.default_rng(1)
     slot = jnp.arange(B, dtype=jnp.int32)
@@ -66,7 +66,8 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda"):
     @jax.jit
     def many(st, qs, ws):
         def body(c, qw):
-            idx = D.indexer_topk(st, 1, slot, pos, qw[0], qw[1], k, impl=impl)
+            idx = D.indexer_topk(st, 1, slot, pos, qw[0], qw[1], k, impl=impl,
+                                 q_format=q_format)
             return c + idx[:, 0].sum(), None
         # unrolled: a rolled scan adds a device-to-host loop test per call
         return jax.lax.scan(body, jnp.int32(0), (qs, ws), unroll=True)[0]
@@ -83,7 +84,7 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda"):
     floor_bytes_us = nbytes / bw * 1e6
     floor_ops_us = B * entries * 8192 * 2 / lane_rate * 1e6
     del st
-    return dict(B=B, context=ctx, k=k, us=us, bytes=nbytes, floor_bytes_us=floor_bytes_us,
+    return dict(B=B, context=ctx, k=k, q_format=q_format, us=us, bytes=nbytes, floor_bytes_us=floor_bytes_us,
                 ratio_bytes=us / floor_bytes_us, floor_fp32_us=floor_ops_us,
                 ratio_fp32=us / floor_ops_us)
 
@@ -97,6 +98,8 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--impl", default="cuda", help="cuda (default) or cpu for a smoke run")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--q-formats", nargs="+", default=["mxfp4", "bf16"],
+                    help="indexer_topk q_format values to time")
     ap.add_argument("--max-work", type=float, default=3e3,
                     help="skip cases with more than this many thousand entry-token scores "
                          "(B=64 at 1M context: 22 GB of tiny-preset pools, over an H100's memory "
@@ -117,14 +120,15 @@ def main():
             if B * ctx // 4 > args.max_work * 1e3:
                 print(f"skip B={B} ctx={ctx}", flush=True)
                 continue
-            r = bench(B, ctx, args.k, args.calls, args.repeats, bw, lane_rate, args.impl)
-            rows.append(r)
-            print(f"B={B:3d} ctx={ctx:8d}: {r['us']:10.1f} us", flush=True)
+            for fmt in args.q_formats:
+                r = bench(B, ctx, args.k, args.calls, args.repeats, bw, lane_rate, args.impl, fmt)
+                rows.append(r)
+                print(f"B={B:3d} ctx={ctx:8d} q={fmt:5s}: {r['us']:10.1f} us", flush=True)
     print()
-    print(f"{'B':>4} {'context':>8} {'k':>5} {'us/call':>10} {'keys MB':>8} {'floor us':>9} "
+    print(f"{'B':>4} {'context':>8} {'k':>5} {'q':>5} {'us/call':>10} {'keys MB':>8} {'floor us':>9} "
           f"{'x floor':>8} {'fp32 us':>9} {'x fp32':>7}")
     for r in rows:
-        print(f"{r['B']:4d} {r['context']:8d} {r['k']:5d} {r['us']:10.1f} {r['bytes'] / 1e6:8.2f} "
+        print(f"{r['B']:4d} {r['context']:8d} {r['k']:5d} {r['q_format']:>5} {r['us']:10.1f} {r['bytes'] / 1e6:8.2f} "
               f"{r['floor_bytes_us']:9.2f} {r['ratio_bytes']:8.1f} {r['floor_fp32_us']:9.1f} "
               f"{r['ratio_fp32']:7.2f}")
     if args.json:

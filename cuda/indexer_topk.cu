@@ -10,6 +10,8 @@
 //     registers and computes the score in the fixed order (the split kernel:
 //     4 lanes per entry, one 32-channel block each); it stores the rank key
 //     (0 for an entry of a missing block).
+//     With q_format "mxfp4": QuantizeQueryKernel then ScoreKernelMxfp4
+//     (integer block sums on the tensor cores; see below).
 //  2. SelectKernel, one block per token: an MSB-first radix select (4 passes
 //     of 8 bits) finds the k-th largest key; one ordered pass collects the
 //     keys above it and the lowest-indexed keys equal to it; a bitonic sort
@@ -21,6 +23,7 @@
 
 #include "handlers_cuda.h"
 #include "indexer_topk.h"
+#include "kernels.cuh"
 
 namespace dsv4 {
 namespace {
@@ -196,6 +199,217 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
     score = h == 0 ? c : score + c;
   }
   if (b == 0) *out = IndexRankKey(score);
+}
+
+// ---- q_format "mxfp4": block sums on the int8 tensor cores --------------------
+// QuantizeQueryKernel rounds each token's q to MXFP4 once (qscratch: int8
+// codes q2[64][128] holding twice the e2m1 value, f32 factors Q[4][64]).
+// ScoreKernelMxfp4 then gives each warp tiles of 16 consecutive entries (one
+// logical block holds two tiles, so a tile needs one block-table read): per
+// 32-channel block b and 8 heads, one mma.m16n8k32 s8 x s8 -> s32 forms the
+// 16 x 8 integer block sums S exactly. Channels are permuted identically in
+// both operands (lane c of a quad holds channels 8c..8c+7 of the block,
+// which are 4 consecutive packed key bytes); an integer sum does not care.
+// The accumulator starts at 0x4B400000, so its bits read as a float are
+// 1.5 * 2^23 + S, and one fma gives u = fl(S * K) = fma(bits, K, -1.5 * 2^23 * K)
+// (exact products; valid while that constant is finite: key scale bytes up
+// to 231, else the tile takes the subtract-then-multiply path). The head sum
+// is the balanced tree of dsv4/indexer.h: within a lane, then across the
+// quad's lanes by shuffles.
+constexpr int kQuantThreads = kIndexHeads * kIndexScales;   // one (head, block) each
+constexpr int kMmaThreads = 128;
+constexpr int kMmaWarps = kMmaThreads / 32;
+constexpr int kTile = 16;                                    // entries per warp tile
+constexpr int kMaxTilesPerWarp = 8;
+constexpr uint32_t kMagicBits = 0x4B400000u;                 // 1.5 * 2^23
+constexpr float kMagic = 12582912.f;
+constexpr uint32_t kFastScaleMax = 231;
+
+__global__ void __launch_bounds__(kQuantThreads) QuantizeQueryKernel(IndexerTopkArgs a) {
+  const int64_t t = blockIdx.x;
+  const TokenInfo ti = ReadToken(a, t);
+  if (!ti.ok || ti.n == 0) return;
+  const int h = threadIdx.x / kIndexScales, b = threadIdx.x % kIndexScales;
+  uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
+  int8_t q2[kMxfp4Block];
+  const float f = QuantizeIndexQueryBlock(a.q + (t * kIndexHeads + h) * kIndexDim + b * kMxfp4Block, q2);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(qs + h * kIndexDim + b * kMxfp4Block);
+#pragma unroll
+  for (int v = 0; v < kMxfp4Block / 4; ++v)
+    dst[v] = static_cast<uint8_t>(q2[4 * v]) | (static_cast<uint8_t>(q2[4 * v + 1]) << 8) |
+             (static_cast<uint8_t>(q2[4 * v + 2]) << 16) |
+             (static_cast<uint32_t>(static_cast<uint8_t>(q2[4 * v + 3])) << 24);
+  reinterpret_cast<float*>(qs + kQueryCodeBytes)[b * kIndexHeads + h] = f;
+}
+
+// Four e2m1 codes (the low 16 bits, code k in bits 4k..4k+3) -> four int8
+// holding twice their values: magnitudes and negated magnitudes by byte
+// permutes of two 8-entry tables, then a permute picks by the sign bit.
+__device__ __forceinline__ uint32_t E2m1x4ToInt8x4(uint32_t nib) {
+  const uint32_t sel = nib & 0x7777u;
+  const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, sel);   // 0 1 2 3 | 4 6 8 12
+  const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, sel);   // negated
+  return __byte_perm(pos, neg, 0x3210u | ((nib & 0x8888u) >> 1));
+}
+
+__device__ __forceinline__ void MmaS8(uint32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                      uint32_t a3, uint32_t b0, uint32_t b1) {
+  const uint32_t c = kMagicBits;
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%10,%10,%10};"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
+}
+
+__device__ __forceinline__ float Relu(float d) { return d > 0.f ? d : 0.f; }
+
+// Levels 2..6 of the head tree. p[j] (level 1) holds heads 8j+2c, 8j+2c+1
+// of lane c of the quad; every lane of the quad returns the full sum.
+__device__ __forceinline__ float QuadHeadTree(const float (&p)[8], int c) {
+  const bool odd = c & 1, high = c & 2;
+  float l2[4], l3[2];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {      // heads 4i..4i+3: lanes c, c^1; keep j = 2k + (c & 1)
+    const float mine = odd ? p[2 * k + 1] : p[2 * k], send = odd ? p[2 * k] : p[2 * k + 1];
+    l2[k] = mine + __shfl_xor_sync(cuda::kFull, send, 1);
+  }
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {      // heads 8j..8j+7: lanes c, c^2; keep j = 4m + c
+    const float mine = high ? l2[2 * m + 1] : l2[2 * m], send = high ? l2[2 * m] : l2[2 * m + 1];
+    l3[m] = mine + __shfl_xor_sync(cuda::kFull, send, 2);
+  }
+#pragma unroll
+  for (int m = 0; m < 2; ++m) l3[m] = l3[m] + __shfl_xor_sync(cuda::kFull, l3[m], 1);  // 16 heads
+#pragma unroll
+  for (int m = 0; m < 2; ++m) l3[m] = l3[m] + __shfl_xor_sync(cuda::kFull, l3[m], 2);  // 32 heads
+  return l3[0] + l3[1];
+}
+
+// Scores of the tile's entries g and g + 8 (this lane's rows).
+template <bool kFast>
+__device__ __forceinline__ void ScoreTileMxfp4(const uint32_t (&bq)[8][kIndexScales][2],
+                                               const float2 (*qf_s)[kIndexHeads / 2],
+                                               const float2* w_s, const uint32_t (&kg)[4],
+                                               const uint32_t (&kh)[4], uint32_t sg, uint32_t sh,
+                                               int c, float* score_g, float* score_h) {
+  float acc[8][4];
+#pragma unroll
+  for (int b = 0; b < kIndexScales; ++b) {
+    const uint32_t a0 = E2m1x4ToInt8x4(kg[b] & 0xffffu), a2 = E2m1x4ToInt8x4(kg[b] >> 16);
+    const uint32_t a1 = E2m1x4ToInt8x4(kh[b] & 0xffffu), a3 = E2m1x4ToInt8x4(kh[b] >> 16);
+    const float Kg = num::E8m0ToF32(static_cast<uint8_t>(sg >> (8 * b)));
+    const float Kh = num::E8m0ToF32(static_cast<uint8_t>(sh >> (8 * b)));
+    const float MKg = -kMagic * Kg, MKh = -kMagic * Kh;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t d[4];
+      MmaS8(d, a0, a1, a2, a3, bq[j][b][0], bq[j][b][1]);
+      const float2 Q = qf_s[b][4 * j + c];
+      float u[4];
+      if (kFast) {
+        u[0] = fmaf(__uint_as_float(d[0]), Kg, MKg);
+        u[1] = fmaf(__uint_as_float(d[1]), Kg, MKg);
+        u[2] = fmaf(__uint_as_float(d[2]), Kh, MKh);
+        u[3] = fmaf(__uint_as_float(d[3]), Kh, MKh);
+      } else {
+        u[0] = (__uint_as_float(d[0]) - kMagic) * Kg;
+        u[1] = (__uint_as_float(d[1]) - kMagic) * Kg;
+        u[2] = (__uint_as_float(d[2]) - kMagic) * Kh;
+        u[3] = (__uint_as_float(d[3]) - kMagic) * Kh;
+      }
+      if (b == 0) {
+        acc[j][0] = u[0] * Q.x;
+        acc[j][1] = u[1] * Q.y;
+        acc[j][2] = u[2] * Q.x;
+        acc[j][3] = u[3] * Q.y;
+      } else {
+        acc[j][0] = fmaf(u[0], Q.x, acc[j][0]);
+        acc[j][1] = fmaf(u[1], Q.y, acc[j][1]);
+        acc[j][2] = fmaf(u[2], Q.x, acc[j][2]);
+        acc[j][3] = fmaf(u[3], Q.y, acc[j][3]);
+      }
+    }
+  }
+  float pg[8], ph[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {      // level 1: heads 8j+2c and 8j+2c+1
+    const float2 w = w_s[4 * j + c];
+    pg[j] = w.x * Relu(acc[j][0]) + w.y * Relu(acc[j][1]);
+    ph[j] = w.x * Relu(acc[j][2]) + w.y * Relu(acc[j][3]);
+  }
+  *score_g = QuadHeadTree(pg, c);
+  *score_h = QuadHeadTree(ph, c);
+}
+
+__device__ __forceinline__ bool FastScales(uint32_t s) {
+  return (s & 255u) <= kFastScaleMax && ((s >> 8) & 255u) <= kFastScaleMax &&
+         ((s >> 16) & 255u) <= kFastScaleMax && (s >> 24) <= kFastScaleMax;
+}
+
+__global__ void __launch_bounds__(kMmaThreads) ScoreKernelMxfp4(IndexerTopkArgs a,
+                                                                int tiles_per_warp) {
+  __shared__ float2 qf_s[kIndexScales][kIndexHeads / 2];   // Q[b][h], two heads a float2
+  __shared__ float2 w_s[kIndexHeads / 2];
+  const int64_t t = blockIdx.x;
+  const TokenInfo ti = ReadToken(a, t);
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * kMmaWarps * tiles_per_warp * kTile;
+  if (!ti.ok || first >= ti.n) return;
+  const uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
+  const float* qfg = reinterpret_cast<const float*>(qs + kQueryCodeBytes);
+  for (int i = threadIdx.x; i < kIndexScales * kIndexHeads; i += kMmaThreads)
+    (&qf_s[0][0].x)[i] = qfg[i];
+  if (threadIdx.x < kIndexHeads) (&w_s[0].x)[threadIdx.x] = a.weights[t * kIndexHeads + threadIdx.x];
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  uint32_t bq[8][kIndexScales][2];   // B operands: head 8j+g, channels 32b+8c .. +7
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int b = 0; b < kIndexScales; ++b) {
+      const uint2 v = *reinterpret_cast<const uint2*>(qs + (8 * j + g) * kIndexDim +
+                                                      kMxfp4Block * b + 8 * c);
+      bq[j][b][0] = v.x;
+      bq[j][b][1] = v.y;
+    }
+  uint32_t* keys = a.scratch + t * a.E;
+  const int64_t l = *a.layer;
+  for (int it = 0; it < tiles_per_warp; ++it) {
+    const int64_t e0 = first + (static_cast<int64_t>(it) * kMmaWarps + warp) * kTile;
+    if (e0 >= ti.n) break;                       // uniform in the warp
+    const int64_t block = a.block_table[ti.slot * a.MB + e0 / kPerBlock];
+    if (block < 0 || block >= a.N) {
+      if (lane < kTile && e0 + lane < ti.n) keys[e0 + lane] = 0;
+      continue;
+    }
+    const int64_t row_g = (l * a.N + block) * kPerBlock + e0 % kPerBlock + g;
+    const uint32_t* pg = reinterpret_cast<const uint32_t*>(a.packed + row_g * kIndexPacked);
+    const uint32_t* ph = pg + 8 * kIndexPacked / 4;
+    uint32_t kg[4], kh[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      kg[b] = __ldg(pg + 4 * b + c);
+      kh[b] = __ldg(ph + 4 * b + c);
+    }
+    const uint32_t sg = __ldg(reinterpret_cast<const uint32_t*>(a.scale + row_g * kIndexScales));
+    const uint32_t sh =
+        __ldg(reinterpret_cast<const uint32_t*>(a.scale + (row_g + 8) * kIndexScales));
+    float score_g, score_h;
+    if (__all_sync(cuda::kFull, FastScales(sg) && FastScales(sh)))
+      ScoreTileMxfp4<true>(bq, qf_s, w_s, kg, kh, sg, sh, c, &score_g, &score_h);
+    else
+      ScoreTileMxfp4<false>(bq, qf_s, w_s, kg, kh, sg, sh, c, &score_g, &score_h);
+    if (c == 0 && e0 + g < ti.n) keys[e0 + g] = IndexRankKey(score_g);
+    if (c == 1 && e0 + g + 8 < ti.n) keys[e0 + g + 8] = IndexRankKey(score_h);
+  }
+}
+
+// Tiles per warp: enough CTAs for about four per multiprocessor, at most
+// kMaxTilesPerWarp (each CTA first loads the token's 8 KB of q operands).
+int TilesPerWarp(int64_t T, int64_t E) {
+  const int64_t per_tile_cta = static_cast<int64_t>(kTile) * kMmaWarps * cuda::SmCount() * 4;
+  const int64_t tpw = T * E / per_tile_cta;
+  return static_cast<int>(tpw < 1 ? 1 : tpw > kMaxTilesPerWarp ? kMaxTilesPerWarp : tpw);
 }
 
 // Inclusive sum over the block's threads of one value each; returns the
@@ -376,11 +590,12 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
                            ffi::AnyBuffer packed, ffi::AnyBuffer scale,
                            ffi::Result<ffi::AnyBuffer> indices,
                            ffi::Result<ffi::AnyBuffer> scratch,
-                           ffi::Result<ffi::AnyBuffer> errors) {
+                           ffi::Result<ffi::AnyBuffer> qscratch,
+                           ffi::Result<ffi::AnyBuffer> errors, int64_t q_format) {
   IndexerTopkArgs a;
   DSV4_RETURN_IF_ERROR(ValidateIndexerTopk(layer, token_slot, token_pos, q, weights, block_table,
-                                           errors_in, packed, scale, *indices, *scratch, *errors,
-                                           &a));
+                                           errors_in, packed, scale, *indices, *scratch,
+                                           *qscratch, *errors, q_format, &a));
   if (a.K > kMaxK)
     return ffi::Error::InvalidArgument("indices (result): k must be at most " +
                                        std::to_string(kMaxK) + " on CUDA, got " +
@@ -389,7 +604,16 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
     const int64_t chunks = (a.E + kScoreThreads - 1) / kScoreThreads;
     if (chunks > 65535 || a.T > 0x7fffffff)
       return ffi::Error::InvalidArgument("indexer_topk: too many tokens or entries for one grid");
-    if (SplitScores(a.T, a.E)) {
+    if (a.q_format == kQueryMxfp4) {
+      const int tpw = TilesPerWarp(a.T, a.E);
+      const int64_t span = static_cast<int64_t>(kMmaWarps) * tpw * kTile;
+      const int64_t ctas = (a.E + span - 1) / span;
+      if (ctas > 65535)
+        return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
+      QuantizeQueryKernel<<<static_cast<unsigned>(a.T), kQuantThreads, 0, stream>>>(a);
+      ScoreKernelMxfp4<<<dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas)),
+                         kMmaThreads, 0, stream>>>(a, tpw);
+    } else if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)
         return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");

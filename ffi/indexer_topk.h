@@ -5,10 +5,13 @@
 //         q bf16[T,64,128], weights f32[T,64], block_table s32[R,MB], errors s32[8],
 //         index.packed u8[Lc,N,32,64], index.scale e8m0[Lc,N,32,4]
 //   rets  indices s32[T,k], scratch u32[T,MB*32] (rank keys; working memory),
-//         errors (aliased)
+//         qscratch u8[T,Q] (the MXFP4 query: Q = kQueryScratchBytes for
+//         q_format 1, else 0; working memory), errors (aliased)
+//   attrs q_format (0 = bf16 query, 1 = query rounded to MXFP4)
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "dsv4/entry_checks.h"
@@ -20,6 +23,7 @@ namespace dsv4 {
 
 struct IndexerTopkArgs {
   int64_t T = 0, K = 0, R = 0, MB = 0, L = 0, N = 0, E = 0;  // E = MB * 32
+  int64_t q_format = kQueryBf16;
   const int32_t* layer = nullptr;
   const int32_t* slot = nullptr;
   const int32_t* pos = nullptr;
@@ -30,6 +34,7 @@ struct IndexerTopkArgs {
   const uint8_t* scale = nullptr;   // [L, N, 32, 4]
   int32_t* indices = nullptr;
   uint32_t* scratch = nullptr;      // [T, E]
+  uint8_t* qscratch = nullptr;      // [T, kQueryScratchBytes] (q_format 1)
   int32_t* errors = nullptr;
 };
 
@@ -47,7 +52,9 @@ auto BindIndexerTopk(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // index.scale
       .template Ret<ffi::AnyBuffer>()  // indices
       .template Ret<ffi::AnyBuffer>()  // scratch
-      .template Ret<ffi::AnyBuffer>();  // errors
+      .template Ret<ffi::AnyBuffer>()  // qscratch
+      .template Ret<ffi::AnyBuffer>()  // errors
+      .template Attr<int64_t>("q_format");
 }
 
 inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
@@ -55,9 +62,14 @@ inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token
                                       ffi::AnyBuffer weights, ffi::AnyBuffer block_table,
                                       ffi::AnyBuffer errors_in, ffi::AnyBuffer packed,
                                       ffi::AnyBuffer scale, ffi::AnyBuffer indices,
-                                      ffi::AnyBuffer scratch, ffi::AnyBuffer errors,
+                                      ffi::AnyBuffer scratch, ffi::AnyBuffer qscratch,
+                                      ffi::AnyBuffer errors, int64_t q_format,
                                       IndexerTopkArgs* out) {
   IndexerTopkArgs a;
+  if (q_format != kQueryBf16 && q_format != kQueryMxfp4)
+    return ffi::Error::InvalidArgument("q_format: expected 0 (bf16) or 1 (mxfp4), got " +
+                                       std::to_string(q_format));
+  a.q_format = q_format;
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
   DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {-1}));
   a.T = token_slot.dimensions()[0];
@@ -82,6 +94,8 @@ inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token
   a.K = indices.dimensions()[1];
   if (a.K < 1) return ffi::Error::InvalidArgument("indices (result): k must be at least 1");
   DSV4_RETURN_IF_ERROR(CheckBuffer("scratch (result)", scratch, ffi::DataType::U32, {a.T, a.E}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("qscratch (result)", qscratch, ffi::DataType::U8,
+                                   {a.T, q_format == kQueryMxfp4 ? kQueryScratchBytes : 0}));
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
   a.slot = static_cast<const int32_t*>(token_slot.untyped_data());
   a.pos = static_cast<const int32_t*>(token_pos.untyped_data());
@@ -92,6 +106,7 @@ inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token
   a.scale = static_cast<const uint8_t*>(scale.untyped_data());
   a.indices = static_cast<int32_t*>(indices.untyped_data());
   a.scratch = static_cast<uint32_t*>(scratch.untyped_data());
+  a.qscratch = static_cast<uint8_t*>(qscratch.untyped_data());
   a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();

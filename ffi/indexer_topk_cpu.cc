@@ -17,11 +17,13 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                            ffi::AnyBuffer packed, ffi::AnyBuffer scale,
                            ffi::Result<ffi::AnyBuffer> indices,
                            ffi::Result<ffi::AnyBuffer> scratch,
-                           ffi::Result<ffi::AnyBuffer> errors) {
+                           ffi::Result<ffi::AnyBuffer> qscratch,
+                           ffi::Result<ffi::AnyBuffer> errors, int64_t q_format) {
   IndexerTopkArgs a;
   DSV4_RETURN_IF_ERROR(ValidateIndexerTopk(layer, token_slot, token_pos, q, weights, block_table,
-                                           errors_in, packed, scale, *indices, *scratch, *errors,
-                                           &a));
+                                           errors_in, packed, scale, *indices, *scratch,
+                                           *qscratch, *errors, q_format, &a));
+  const bool mxfp4 = a.q_format == kQueryMxfp4;
   for (int64_t i = 0; i < a.T * a.K; ++i) a.indices[i] = -1;
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
@@ -40,8 +42,17 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
       continue;
     }
     const int64_t n = IndexVisible(p, a.E);
-    for (int64_t c = 0; c < kIndexHeads * kIndexDim; ++c)
-      qf[c] = num::Bf16ToF32(a.q[t * kIndexHeads * kIndexDim + c]);
+    const uint16_t* qt = a.q + t * kIndexHeads * kIndexDim;
+    int8_t* q2 = reinterpret_cast<int8_t*>(a.qscratch + t * kQueryScratchBytes);
+    float* qfac = reinterpret_cast<float*>(a.qscratch + t * kQueryScratchBytes + kQueryCodeBytes);
+    if (mxfp4) {
+      for (int h = 0; h < kIndexHeads; ++h)
+        for (int b = 0; b < kIndexScales; ++b)
+          qfac[b * kIndexHeads + h] = QuantizeIndexQueryBlock(
+              qt + h * kIndexDim + b * kMxfp4Block, q2 + h * kIndexDim + b * kMxfp4Block);
+    } else {
+      for (int64_t c = 0; c < kIndexHeads * kIndexDim; ++c) qf[c] = num::Bf16ToF32(qt[c]);
+    }
     const float* w = a.weights + t * kIndexHeads;
     uint32_t* keys = a.scratch + t * a.E;
     cand.clear();
@@ -55,9 +66,17 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
       }
       for (int64_t i = j * per_block; i < end; ++i) {
         const int64_t row = (l * a.N + block) * per_block + i % per_block;
-        float k[kIndexDim];
-        DecodeIndexKey(a.packed + row * kIndexPacked, a.scale + row * kIndexScales, k);
-        keys[i] = IndexRankKey(IndexScore(k, qf.data(), w));
+        const uint8_t* pk = a.packed + row * kIndexPacked;
+        const uint8_t* sk = a.scale + row * kIndexScales;
+        float score;
+        if (mxfp4) {
+          score = IndexScoreMxfp4(pk, sk, q2, qfac, w);
+        } else {
+          float k[kIndexDim];
+          DecodeIndexKey(pk, sk, k);
+          score = IndexScore(k, qf.data(), w);
+        }
+        keys[i] = IndexRankKey(score);
         // larger composite = better: key first, then the lower index
         cand.push_back((static_cast<uint64_t>(keys[i]) << 32) |
                        (0xffffffffu - static_cast<uint32_t>(i)));

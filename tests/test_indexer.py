@@ -14,6 +14,7 @@ import dsv4_jax as D
 from dsv4_jax import _ffi
 from dsv4_jax.errors import ErrorKind as EK
 
+import npq
 from conftest import CUDA, requires_cpu_ffi
 
 CSA_LAYERS = (1, 3)      # tiny preset: SWA, CSA, HCA, CSA
@@ -50,23 +51,29 @@ def queries(rng, T, qscale=1.0):
     return q, w
 
 
-def host_keys(st, kind_idx, slot, n):
+def host_keys(st, kind_idx, slot, n, with_codes=False):
     """Decoded keys f64[n, 128] of entries 0..n-1 of `slot` (numpy only),
-    and whether each entry's block exists."""
+    and whether each entry's block exists; with_codes: also their e2m1 codes
+    [n, 128] and scale bytes [n, 4]."""
     packed = np.asarray(st.csa.index.packed)[kind_idx]
     scale = np.asarray(st.csa.index.scale).view(np.uint8)[kind_idx].astype(np.int64)
     bt = np.asarray(st.block_table)[slot]
     N = packed.shape[0]
     keys = np.zeros((n, 128))
     ok = np.zeros(n, bool)
+    codes = np.zeros((n, 128), np.int64)
+    sbytes = np.full((n, 4), 127, np.int64)
     for i in range(n):
         b = bt[i // 32]
         if not 0 <= b < N:
             continue
         ok[i] = True
         by = packed[b, i % 32]
-        codes = np.stack([by & 15, by >> 4], -1).reshape(128)
-        keys[i] = E2M1[codes] * np.repeat(2.0 ** (scale[b, i % 32] - 127), 32)
+        codes[i] = np.stack([by & 15, by >> 4], -1).reshape(128)
+        sbytes[i] = scale[b, i % 32]
+        keys[i] = E2M1[codes[i]] * np.repeat(2.0 ** (scale[b, i % 32] - 127), 32)
+    if with_codes:
+        return keys, ok, codes, sbytes
     return keys, ok
 
 
@@ -90,6 +97,27 @@ def replay_f32(keys, q, w):
     return s
 
 
+def replay_f32_mxfp4(key_codes, key_scale, q, w):
+    """The documented q_format "mxfp4" order (dsv4/indexer.h) in numpy
+    float32: keys as e2m1 codes [n, 128] and scale bytes [n, 4], q rounded by
+    npq's independent MXFP4 quantizer."""
+    k2 = (2 * E2M1[key_codes]).astype(np.int64).reshape(-1, 4, 32)
+    K = np.exp2(key_scale.astype(np.float64) - 127).astype(np.float32)
+    qv, qs = npq.mxfp4_roundtrip(np.asarray(q, np.float32))
+    qs = qs.reshape(64, 4, 32)[..., 0]
+    q2 = np.rint(2 * qv.reshape(64, 4, 32) / qs[..., None]).astype(np.int64)
+    S = np.einsum("nbj,hbj->nhb", k2, q2)                         # exact integers
+    u = S.astype(np.float32) * K[:, None, :]
+    Q = (qs / 4).astype(np.float32)
+    d = u[..., 0] * Q[None, :, 0]
+    for b in range(1, 4):
+        d = d + u[..., b] * Q[None, :, b]      # u * Q exact at these scales: = the fma
+    c = np.asarray(w, np.float32)[None, :] * np.where(d > 0, d, np.float32(0))
+    while c.shape[1] > 1:                      # balanced pairwise tree over the heads
+        c = c[:, 0::2] + c[:, 1::2]
+    return c[:, 0]
+
+
 def oracle_f64(keys, q, w):
     d = keys @ np.asarray(q, np.float64).T                       # [n, 64]
     return np.maximum(d, 0) @ np.asarray(w, np.float64)
@@ -104,9 +132,9 @@ def rank(scores, cand, k):
     return np.r_[order, np.full(k - len(order), -1)].astype(np.int32)
 
 
-def expected(st, layer, slot, pos, q, w, k):
+def expected(st, layer, slot, pos, q, w, k, q_format="bf16"):
     """Per token: the replayed-fp32 ranking, and (scores64, cand) for the
-    float64 oracle."""
+    float64 oracle (of the formula with q rounded to MXFP4 for "mxfp4")."""
     cfg = st.config
     MB = cfg.max_blocks_per_request
     kind_idx = cfg.kind_index(layer, "csa")
@@ -117,14 +145,20 @@ def expected(st, layer, slot, pos, q, w, k):
             info.append(None)
             continue
         n = visible(int(pos[t]), MB)
-        keys, ok = host_keys(st, kind_idx, slot[t], n)
-        rows.append(rank(replay_f32(keys, q[t], w[t]), ok, k))
-        info.append((oracle_f64(keys, q[t], w[t]), ok))
+        keys, ok, codes, sbytes = host_keys(st, kind_idx, slot[t], n, with_codes=True)
+        if q_format == "mxfp4":
+            qt = npq.mxfp4_roundtrip(np.asarray(q[t], np.float32))[0]
+            rows.append(rank(replay_f32_mxfp4(codes, sbytes, q[t], w[t]), ok, k))
+        else:
+            qt = q[t]
+            rows.append(rank(replay_f32(keys, q[t], w[t]), ok, k))
+        info.append((oracle_f64(keys, qt, w[t]), ok))
     return np.stack(rows), info
 
 
-def run(st, layer, slot, pos, q, w, k, impl, return_state=True):
+def run(st, layer, slot, pos, q, w, k, impl, return_state=True, q_format="bf16"):
     f = jax.jit(lambda st, s, p, q, w: D.indexer_topk(st, layer, s, p, q, w, k, impl=impl,
+                                                      q_format=q_format,
                                                       return_state=return_state))
     return f(st, jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(q),
              jnp.asarray(w))
@@ -135,6 +169,7 @@ needs_cpu_target = pytest.mark.skipif(not _ffi.has_target("cpu", "dsv4_indexer_t
                                       reason="dsv4_indexer_topk not built for the CPU")
 IMPLS = ["reference", pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
          pytest.param("cuda", marks=CUDA)]
+Q_FORMATS = ["bf16", "mxfp4"]
 
 
 def workload(seed, k=40):
@@ -150,14 +185,15 @@ def workload(seed, k=40):
     return st, slot, pos, q, w, k
 
 
+@pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_matches_fp32_replay_and_f64_oracle(impl, seed):
+def test_matches_fp32_replay_and_f64_oracle(impl, seed, q_format):
     st, slot, pos, q, w, k = workload(seed)
     for layer in CSA_LAYERS:
-        got, st2 = run(st, layer, slot, pos, q, w, k, impl)
+        got, st2 = run(st, layer, slot, pos, q, w, k, impl, q_format=q_format)
         got = np.asarray(got)
-        want, info = expected(st, layer, slot, pos, q, w, k)
+        want, info = expected(st, layer, slot, pos, q, w, k, q_format)
         np.testing.assert_array_equal(got, want)
         assert not np.any(np.asarray(st2.errors))
         # the float64 formula: same top-k set wherever the k-th and (k+1)-th
@@ -191,8 +227,9 @@ def test_oracle_check_is_sharp():
     assert best != worst
 
 
+@pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_exact_ties_lower_index_first(impl):
+def test_exact_ties_lower_index_first(impl, q_format):
     rng = np.random.default_rng(5)
     st = make_state(rng, R=2, max_context=512, blocks={0: [3, 1, 0, 2], 1: [5, 4, 7, 6]})
     packed = np.array(st.csa.index.packed)
@@ -216,8 +253,8 @@ def test_exact_ties_lower_index_first(impl):
     slot = np.array([0, 0, 0], np.int32)
     pos = np.array([511, 511, 511], np.int32)
     k = 128
-    got = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False))
-    want, _ = expected(st, 1, slot, pos, q, w, k)
+    got = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False, q_format=q_format))
+    want, _ = expected(st, 1, slot, pos, q, w, k, q_format)
     np.testing.assert_array_equal(got, want)
     for t in range(3):
         row = list(got[t])
@@ -227,8 +264,9 @@ def test_exact_ties_lower_index_first(impl):
     assert zeros == sorted(zeros) and zeros[-1] - zeros[0] == 9
 
 
+@pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_bad_rows_and_errors(impl):
+def test_bad_rows_and_errors(impl, q_format):
     rng = np.random.default_rng(9)
     # slot 1 lacks logical block 1; slot 2 has no blocks at all
     st = make_state(rng, R=4, max_context=512, blocks={0: [0, 1, 2, 3], 1: [4, -1, 6, 99],
@@ -237,9 +275,9 @@ def test_bad_rows_and_errors(impl):
     pos = np.array([100, 100, -3, 511, 40, 3, 2 ** 31 - 1, 0], np.int32)
     q, w = queries(rng, len(slot))
     k = 64
-    got, st2 = run(st, 3, slot, pos, q, w, k, impl)
+    got, st2 = run(st, 3, slot, pos, q, w, k, impl, q_format=q_format)
     got = np.asarray(got)
-    want, _ = expected(st, 3, slot, pos, q, w, k)
+    want, _ = expected(st, 3, slot, pos, q, w, k, q_format)
     np.testing.assert_array_equal(got, want)
     assert np.all(got[[0, 1, 2, 7]] == -1)
     # token 3 (pos 511): blocks 1 (-1) and 3 (99 >= N=16) missing; token 4
@@ -296,6 +334,8 @@ def test_trace_time_checks():
         D.indexer_topk(st, 1, s, s, jnp.asarray(q), jnp.asarray(w[:, :32]), 4)
     with pytest.raises(ValueError, match="layer"):
         D.indexer_topk(st, 2, s, s, jnp.asarray(q), jnp.asarray(w), 4)
+    with pytest.raises(ValueError, match="q_format"):
+        D.indexer_topk(st, 1, s, s, jnp.asarray(q), jnp.asarray(w), 4, q_format="fp8")
 
 
 @pytest.mark.parametrize("seed", [11, 12])
@@ -314,9 +354,11 @@ def test_implementations_identical(seed):
     outs = {}
     for impl in impls:
         for k in (1, 200):
-            outs[impl, k] = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False))
-    for (impl, k), v in outs.items():
-        np.testing.assert_array_equal(v, outs["reference", k], err_msg=f"{impl} k={k}")
+            for fmt in Q_FORMATS:
+                outs[impl, k, fmt] = np.asarray(run(st, 1, slot, pos, q, w, k, impl,
+                                                    return_state=False, q_format=fmt))
+    for (impl, k, fmt), v in outs.items():
+        np.testing.assert_array_equal(v, outs["reference", k, fmt], err_msg=f"{impl} k={k} {fmt}")
 
 
 def np_rank_keys(s):
@@ -347,9 +389,49 @@ def test_reference_scores_bit_exact():
     assert np.any(c[:, ::-1].cumsum(1)[:, -1].view(np.uint32) != want.view(np.uint32))
 
 
+def test_reference_scores_bit_exact_mxfp4():
+    """q_format "mxfp4": the reference's score bits equal the numpy replay
+    (npq's own MXFP4 rounding of q); summing the heads in order instead of
+    the pairwise tree moves some bits."""
+    from dsv4_jax.reference.indexer import query_mxfp4, score_entries_mxfp4
+    rng = np.random.default_rng(14)
+    st = make_state(rng, R=1, max_context=512, blocks={0: [0, 1, 2, 3]})
+    keys, _, codes, sbytes = host_keys(st, 0, 0, 128, with_codes=True)
+    q, w = queries(rng, 1, qscale=3.0)
+    packed = np.asarray(st.csa.index.packed)[0][[0, 1, 2, 3]].reshape(128, 64)
+    scale = np.asarray(st.csa.index.scale)[0][[0, 1, 2, 3]].reshape(128, 4)
+
+    def f(packed, scale, q, w):
+        q2, qf = query_mxfp4(q)
+        return score_entries_mxfp4(packed, scale, q2, qf, w)
+    got = np.asarray(jax.jit(f)(jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(q[0]),
+                                jnp.asarray(w[0])))
+    want = replay_f32_mxfp4(codes, sbytes, q[0], w[0])
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # the oracle of the formula agrees to fp32 noise
+    qv = npq.mxfp4_roundtrip(np.asarray(q[0], np.float32))[0]
+    np.testing.assert_allclose(got, oracle_f64(keys, qv, w[0]), rtol=1e-4,
+                               atol=1e-5 * np.abs(got).max())
+    # sharpness: a sequential head sum gives other bits somewhere
+    k2 = (2 * E2M1[codes]).reshape(-1, 4, 32)
+    qs = npq.mxfp4_roundtrip(np.asarray(q[0], np.float32))[1].reshape(64, 4, 32)[..., 0]
+    q2 = np.rint(2 * qv.reshape(64, 4, 32) / qs[..., None])
+    S = np.einsum("nbj,hbj->nhb", k2, q2).astype(np.float32)
+    u = S * np.exp2(sbytes.astype(np.float64) - 127).astype(np.float32)[:, None, :]
+    d = u[..., 0] * (qs[:, 0] / 4).astype(np.float32)
+    for b in range(1, 4):
+        d = d + u[..., b] * (qs[:, b] / 4).astype(np.float32)
+    c = w[0][None].astype(np.float32) * np.maximum(d, np.float32(0))
+    seq = c[:, 0]
+    for h in range(1, 64):
+        seq = seq + c[:, h]
+    assert np.any(seq.view(np.uint32) != want.view(np.uint32))
+
+
+@pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", [pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
                                   pytest.param("cuda", marks=CUDA)])
-def test_handler_scores_bit_exact(impl):
+def test_handler_scores_bit_exact(impl, q_format):
     """The handlers' scratch output (rank keys of every visible entry) equals
     the float32 replay bit for bit."""
     from dsv4_jax.ops._dispatch import ffi_call
@@ -361,20 +443,27 @@ def test_handler_scores_bit_exact(impl):
     E = st.config.max_blocks_per_request * 32
     dev = jax.devices(impl)[0]
 
+    from dsv4_jax.ops.indexer import QUERY_SCRATCH_BYTES, Q_FORMATS as ATTR
+    qbytes = QUERY_SCRATCH_BYTES if q_format == "mxfp4" else 0
+
     def call(st, s, p, q, w):
         return ffi_call("dsv4_indexer_topk", [jnp.int32(1), s, p, q, w, st.block_table, st.errors,
                                               st.csa.index.packed, st.csa.index.scale],
                         [jax.ShapeDtypeStruct((3, 8), jnp.int32),
                          jax.ShapeDtypeStruct((3, E), jnp.uint32),
-                         jax.ShapeDtypeStruct((8,), jnp.int32)], {6: 2})
+                         jax.ShapeDtypeStruct((3, qbytes), jnp.uint8),
+                         jax.ShapeDtypeStruct((8,), jnp.int32)], {6: 3},
+                        q_format=ATTR[q_format])
     args = jax.device_put((st, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q),
                            jnp.asarray(w)), dev)
-    _, scratch, _ = jax.jit(call)(*args)
+    _, scratch, _, _ = jax.jit(call)(*args)
     scratch = np.asarray(scratch)
     for t in range(3):
         n = visible(int(pos[t]), 4)
-        keys, _ = host_keys(st, 1, slot[t], n)
-        np.testing.assert_array_equal(scratch[t, :n], np_rank_keys(replay_f32(keys, q[t], w[t])))
+        keys, _, codes, sbytes = host_keys(st, 1, slot[t], n, with_codes=True)
+        want = (replay_f32_mxfp4(codes, sbytes, q[t], w[t]) if q_format == "mxfp4"
+                else replay_f32(keys, q[t], w[t]))
+        np.testing.assert_array_equal(scratch[t, :n], np_rank_keys(want))
 
 
 def few_distinct_keys(rng, st, n_distinct=6):
@@ -391,8 +480,9 @@ def few_distinct_keys(rng, st, n_distinct=6):
         jnp.asarray(packed), jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
 
 
+@pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_long_context_many_ties(impl):
+def test_long_context_many_ties(impl, q_format):
     """2048 entries (several score chunks and select passes on CUDA), k = 512
     and 700, scores in six tie groups, plus one token with random keys."""
     rng = np.random.default_rng(21)
@@ -405,8 +495,9 @@ def test_long_context_many_ties(impl):
     q, w = queries(rng, 4)
     for state in (tied, st):
         for k in (512, 700):
-            got = np.asarray(run(state, 1, slot, pos, q, w, k, impl, return_state=False))
-            want, _ = expected(state, 1, slot, pos, q, w, k)
+            got = np.asarray(run(state, 1, slot, pos, q, w, k, impl, return_state=False,
+                                 q_format=q_format))
+            want, _ = expected(state, 1, slot, pos, q, w, k, q_format)
             np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
 
 
@@ -422,10 +513,13 @@ def test_cuda_equals_reference_on_cpu(seed):
     cpu = jax.devices("cpu")[0]
     host = jax.device_put((st, slot, pos, q, w), cpu)
     for k in (1, 16, 300):
-        got = np.asarray(run(st, 3, slot, pos, q, w, k, "cuda", return_state=False))
-        with jax.default_device(cpu):
-            ref = np.asarray(run(*host[:1], 3, *host[1:], k, "reference", return_state=False))
-            np.testing.assert_array_equal(got, ref, err_msg=f"reference k={k}")
+        for fmt in Q_FORMATS:
+            got = np.asarray(run(st, 3, slot, pos, q, w, k, "cuda", return_state=False,
+                                 q_format=fmt))
+            with jax.default_device(cpu):
+                ref = np.asarray(run(*host[:1], 3, *host[1:], k, "reference",
+                                     return_state=False, q_format=fmt))
+            np.testing.assert_array_equal(got, ref, err_msg=f"reference k={k} {fmt}")
 
 
 def has_cuda_target():
@@ -487,8 +581,9 @@ def test_sharded_equals_each_shard_alone(impl):
     assert err[1, EK.BAD_SLOT] == 1 and err[1].sum() == 1
 
 
+@pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_k_above_table_and_no_tokens(impl):
+def test_k_above_table_and_no_tokens(impl, q_format):
     """k larger than every possible entry (E = 128): visible ones first, then
     -1; an empty batch gives an empty result and counts only a bad layer."""
     rng = np.random.default_rng(8)
@@ -496,15 +591,16 @@ def test_k_above_table_and_no_tokens(impl):
     q, w = queries(rng, 2)
     slot = np.array([0, 0], np.int32)
     pos = np.array([511, 63], np.int32)
-    got = np.asarray(run(st, 1, slot, pos, q, w, 300, impl, return_state=False))
-    want, _ = expected(st, 1, slot, pos, q, w, 300)
+    got = np.asarray(run(st, 1, slot, pos, q, w, 300, impl, return_state=False,
+                         q_format=q_format))
+    want, _ = expected(st, 1, slot, pos, q, w, 300, q_format)
     np.testing.assert_array_equal(got, want)
     assert (got[0] >= 0).sum() == 128 and (got[1] >= 0).sum() == 16
     f = jax.jit(lambda st, lay: D.indexer_topk(st, lay, jnp.zeros(0, jnp.int32),
                                                jnp.zeros(0, jnp.int32),
                                                jnp.zeros((0, 64, 128), jnp.bfloat16),
                                                jnp.zeros((0, 64), jnp.float32), 4, impl=impl,
-                                               return_state=True))
+                                               q_format=q_format, return_state=True))
     idx, st2 = f(st, jnp.int32(1))
     assert idx.shape == (0, 4) and not np.any(np.asarray(st2.errors))
     idx, st2 = f(st, jnp.int32(0))

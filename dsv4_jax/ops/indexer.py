@@ -62,13 +62,18 @@ from ._layer import layer_operand, pick_layer, traced_layer
 
 _I32 = jnp.int32
 MAX_K = 4096   # the CUDA kernel sorts the selection in shared memory
+Q_FORMATS = {"bf16": 0, "mxfp4": 1}      # the FFI attribute q_format
+# per token: int8 codes [64, 128] + f32 factors [4, 64] (dsv4/indexer.h)
+QUERY_SCRATCH_BYTES = C.INDEX_HEADS * C.INDEX_DIM + 4 * C.INDEX_HEADS * C.INDEX_SCALES
 
 
 def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
-                 q: jax.Array, weights: jax.Array, k: int, *, impl: str = "auto",
-                 return_state: bool = False):
+                 q: jax.Array, weights: jax.Array, k: int, *, q_format: str = "bf16",
+                 impl: str = "auto", return_state: bool = False):
     """Top-k CSA entries per query token by indexer score: indices i32[T, k]
-    (-1 padded), best first. See the module docstring for the rules."""
+    (-1 padded), best first. `q_format`: "bf16" scores q as given, "mxfp4"
+    rounds it to MXFP4 first (exact block sums; the fast path on the GPU).
+    See the module docstring for the rules."""
     check_state(state)
     cfg = state.config
     check_array("token_slot", token_slot, (None,), _I32)
@@ -78,11 +83,13 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
     check_array("weights", weights, (T, C.INDEX_HEADS), (jnp.float32, jnp.bfloat16))
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
         raise ValueError(f"k: expected an int in [1, {MAX_K}], got {k!r}")
+    if q_format not in Q_FORMATS:
+        raise ValueError(f"q_format: expected one of {sorted(Q_FORMATS)}, got {q_format!r}")
     weights = weights.astype(jnp.float32)
     if cfg.sharded:
         def body(st, *args):
-            return indexer_topk(st, pick_layer(layer, args[4:]), *args[:4], k, impl=impl,
-                                return_state=return_state)
+            return indexer_topk(st, pick_layer(layer, args[4:]), *args[:4], k,
+                                q_format=q_format, impl=impl, return_state=return_state)
         outs = ("rows", "state") if return_state else "rows"
         return run_sharded(body, state, [token_slot, token_pos, q, weights],
                            traced_layer(layer), outs)
@@ -91,16 +98,18 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
     impl = resolve_impl(impl, target, [state.block_table])
     if impl == "reference":
         indices, errors = reference.indexer_topk(state, layer_idx, token_slot, token_pos, q,
-                                                 weights, k)
+                                                 weights, k, q_format=q_format)
     else:
         E = cfg.max_blocks_per_request * (C.BLOCK_TOKENS // C.CSA_RATIO)
-        indices, _, errors = ffi_call(
+        qbytes = QUERY_SCRATCH_BYTES if q_format == "mxfp4" else 0
+        indices, _, _, errors = ffi_call(
             target, [layer_idx, token_slot, token_pos, q, weights, state.block_table,
                      state.errors, state.csa.index.packed, state.csa.index.scale],
             [jax.ShapeDtypeStruct((T, k), _I32),
              jax.ShapeDtypeStruct((T, E), jnp.uint32),
+             jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            {6: 2})
+            {6: 3}, q_format=Q_FORMATS[q_format])
     if not return_state:
         return indices
     return indices, dataclasses.replace(state, errors=errors)

@@ -50,6 +50,41 @@ def score_entries(kf, qf, w):
     return s
 
 
+def query_mxfp4(q):
+    """q bf16[64, 128] rounded to MXFP4: codes as int8 twice the e2m1 value
+    [64, 128] and the factors Q = 2^(scale byte - 129) f32[64, 4]."""
+    codes, e = quant.mxfp4_codes(q)
+    u = e.astype(jnp.uint32)
+    bits = jnp.where(e >= 3, (u - 2) << 23,
+                     jnp.uint32(0x800000) >> jnp.clip(3 - e, 0, 31).astype(jnp.uint32))
+    return quant.e2m1_twice(codes), jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def score_entries_mxfp4(packed, scale, q2, qfac, w):
+    """Scores f32[n] of MXFP4 keys (packed u8[n, 64], scale e8m0[n, 4]) for
+    one MXFP4 query (q2 int8[64, 128], qfac f32[64, 4], w f32[64]), in the
+    order of dsv4/indexer.h (q_format "mxfp4")."""
+    n = packed.shape[0]
+    codes = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(n, C.INDEX_DIM)
+    k2 = quant.e2m1_twice(codes).reshape(n, C.INDEX_SCALES, C.MXFP4_BLOCK)
+    qb = q2.reshape(C.INDEX_HEADS, C.INDEX_SCALES, C.MXFP4_BLOCK)
+    # integer block sums: exact, so the backend's summation order is free
+    s = jnp.einsum("nbj,hbj->nhb", k2, qb, preferred_element_type=_I32)
+    u = s.astype(jnp.float32) * quant.e8m0_to_f32(scale)[:, None, :]     # [n, 64, 4]
+    d = u[..., 0] * qfac[None, :, 0]
+    for b in range(1, C.INDEX_SCALES):   # exact products: fma == multiply, add
+        d = d + u[..., b] * qfac[None, :, b]
+    r = jnp.where(d > 0, d, jnp.float32(0))
+    c = jax.lax.optimization_barrier(w[None, :] * r)
+    # balanced pairwise tree in head order, on per-head columns: XLA's CPU
+    # backend turns strided or reshaped pair adds into a reduction of its
+    # own order (seen: other bits on 1 score in 4)
+    cols = [c[:, h] for h in range(C.INDEX_HEADS)]
+    while len(cols) > 1:
+        cols = [cols[2 * i] + cols[2 * i + 1] for i in range(len(cols) // 2)]
+    return cols[0]
+
+
 def rank_keys(score):
     """int32 keys ordered like the scores: NaN ranks as -inf, -0 as +0."""
     s = jnp.where(jnp.isnan(score), jnp.float32(-jnp.inf), score)
@@ -58,7 +93,8 @@ def rank_keys(score):
     return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
 
 
-def indexer_topk(state: CacheState, kind_idx, token_slot, token_pos, q, weights, k: int):
+def indexer_topk(state: CacheState, kind_idx, token_slot, token_pos, q, weights, k: int,
+                 q_format: str = "bf16"):
     """indices i32[T, k], errors. See dsv4_jax/ops/indexer.py."""
     cfg = state.config
     R, MB, N = cfg.max_requests, cfg.max_blocks_per_request, cfg.num_blocks
@@ -89,16 +125,21 @@ def indexer_topk(state: CacheState, kind_idx, token_slot, token_pos, q, weights,
     MBp = nchunks * _CHUNK_BLOCKS
     usable = jnp.pad(needed & ~missing, ((0, 0), (0, MBp - MB)))
     blocks = jnp.pad(blocks, ((0, 0), (0, MBp - MB)))
-    qf = q.astype(jnp.float32)
+    qf = q if q_format == "mxfp4" else q.astype(jnp.float32)
     wf = weights.astype(jnp.float32)
     Ep = MBp * per_block
 
     def one_token(args):
         blk_t, use_t, q_t, w_t, n_t = args
+        if q_format == "mxfp4":
+            q2, qfac = query_mxfp4(q_t)
 
         def chunk(c):
             sl = jax.lax.dynamic_slice_in_dim(blk_t, c * _CHUNK_BLOCKS, _CHUNK_BLOCKS)
             b = read_index(sl, N)
+            if q_format == "mxfp4":
+                return score_entries_mxfp4(packed[b].reshape(-1, C.INDEX_PACKED),
+                                           scale[b].reshape(-1, C.INDEX_SCALES), q2, qfac, w_t)
             kf = quant.dequantize_mxfp4(packed[b], scale[b])             # [8, 32, 128]
             return score_entries(kf.reshape(-1, C.INDEX_DIM), q_t, w_t)
         scores = jax.lax.map(chunk, jnp.arange(nchunks, dtype=_I32)).reshape(Ep)

@@ -163,6 +163,11 @@ def e2m1_values(codes):
     return jnp.asarray(_E2M1_VALUES)[codes.astype(jnp.int32) & 15]
 
 
+def e2m1_twice(codes):
+    """Twice the e2m1 value of each code, as int8 (exact integers)."""
+    return jnp.asarray((2 * _E2M1_VALUES).astype(np.int8))[codes.astype(jnp.int32) & 15]
+
+
 # ---- KV entries ----------------------------------------------------------------------------
 def quantize_kv(x, kv_format: str) -> KVEntries:
     """bf16 [..., 512] entries -> KVEntries in `kv_format` (leading dims kept)."""
@@ -202,13 +207,20 @@ def dequantize_kv(entries: KVEntries, kv_format: str):
 
 
 # ---- MXFP4 indexer keys ------------------------------------------------------------------------
-def quantize_mxfp4(x):
-    """bf16 [..., 128] keys -> (packed u8[..., 64], scale e8m0[..., 4])."""
+def mxfp4_codes(x):
+    """bf16 [..., 128] -> (e2m1 codes u8[..., 128], one per byte; biased scale
+    exponents i32[..., 4], the e8m0 bytes)."""
     xf = x.astype(jnp.bfloat16).astype(jnp.float32)
     blocks = xf.reshape(xf.shape[:-1] + (C.INDEX_SCALES, C.MXFP4_BLOCK))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), jnp.float32(MXFP4_AMAX_FLOOR))
     e = pow2_ceil_exponent(ieee_div(amax, E2M1_MAX))
     codes = e2m1_codes(divide_by_pow2(blocks, e[..., None])).reshape(xf.shape)
+    return codes, e
+
+
+def quantize_mxfp4(x):
+    """bf16 [..., 128] keys -> (packed u8[..., 64], scale e8m0[..., 4])."""
+    codes, e = mxfp4_codes(x)
     pairs = codes.reshape(codes.shape[:-1] + (C.INDEX_PACKED, 2))
     packed = pairs[..., 0] | (pairs[..., 1] << 4)
     return packed.astype(jnp.uint8), e8m0_from_bytes(e)

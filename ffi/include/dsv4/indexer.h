@@ -14,6 +14,7 @@
 // as +0; 0 is below every score and marks a non-candidate.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "dsv4/layout.h"
@@ -78,6 +79,83 @@ DSV4_HD uint32_t IndexRankKey(float s) {
   uint32_t u = num::FloatBits(s);
   uint32_t key = (u & 0x80000000u) ? (u ^ 0x7fffffffu) : u;  // signed order
   return key ^ 0x80000000u;                                   // to unsigned order
+}
+
+// ---- q_format "mxfp4": the query rounded to MXFP4 like the keys -------------
+// Each (head, 32-channel block) of q is quantized as a key block is
+// (num::QuantizeMxfp4Block). Codes are kept as int8 holding twice the e2m1
+// value (0, +-1, +-2, +-3, +-4, +-6, +-8, +-12), so a block's dot product is
+// an exact integer:
+//   S[b]  = sum_j q2[h, 32b+j] * k2[32b+j]          (|S| <= 32 * 144: exact in
+//                                                    any order, int32 or fp32)
+//   u[b]  = fl(S[b] * K[b]),   K[b] = 2^(key scale byte - 127)
+//   d     = fl(u[0] * Q[0]);  d = fma(u[b], Q[b], d), b = 1, 2, 3
+//           Q[b] = 2^(query scale byte - 129) (the 1/4 of the two doublings)
+//   c[h]  = w[h] * (d > 0 ? d : 0)
+//   score = pairwise sum of c[0..63]: level 1 adds (c0 + c1), (c2 + c3), ...,
+//           each next level adds neighbouring results (a balanced tree in
+//           head order, the order a GPU warp reduces in)
+// u[b] * Q[b] is exact unless it leaves the normal fp32 range, so the fma
+// equals a multiply and an add wherever no subnormal appears.
+constexpr int kQueryCodeBytes = kIndexHeads * kIndexDim;                  // int8 q2[64][128]
+constexpr int kQueryScratchBytes = kQueryCodeBytes + 4 * kIndexHeads * kIndexScales;  // + f32 Q[4][64]
+
+enum IndexQueryFormat : int64_t { kQueryBf16 = 0, kQueryMxfp4 = 1 };
+
+// Twice the e2m1 value of a code (low 4 bits), as an integer.
+DSV4_HD int E2m1Twice(uint32_t c) {
+  const int mag[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+  int v = mag[c & 7u];
+  return (c & 8u) ? -v : v;
+}
+
+// Q = 2^(eq - 129) for a query scale byte eq in [1, 254] (2^-128 and 2^-127
+// are subnormal; exact bits either way).
+DSV4_HD float IndexQueryFactor(uint32_t eq) {
+  return num::BitsFloat(eq >= 3 ? (eq - 2u) << 23 : 0x00800000u >> (3u - eq));
+}
+
+// One (head, block) of the query: 32 bf16 values -> 32 int8 codes (q2) and
+// its factor Q.
+DSV4_HD float QuantizeIndexQueryBlock(const uint16_t* q, int8_t* q2) {
+  float x[kMxfp4Block];
+  uint8_t codes[kMxfp4Block];
+  for (int j = 0; j < kMxfp4Block; ++j) x[j] = num::Bf16ToF32(q[j]);
+  const uint8_t eq = num::QuantizeMxfp4Block(x, kMxfp4Block, codes);
+  for (int j = 0; j < kMxfp4Block; ++j) q2[j] = static_cast<int8_t>(E2m1Twice(codes[j]));
+  return IndexQueryFactor(eq);
+}
+
+// The balanced pairwise sum of 64 values in order (overwrites v).
+DSV4_HD float PairwiseSum64(float* v) {
+  for (int n = kIndexHeads; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i) v[i] = v[2 * i] + v[2 * i + 1];
+  return v[0];
+}
+
+// The score of one MXFP4 key (64 packed bytes, 4 scale bytes) for a query
+// given as q2[64 * 128] and Q[4 * 64] (index b * 64 + h), weights w[64].
+DSV4_HD float IndexScoreMxfp4(const uint8_t* packed, const uint8_t* scales, const int8_t* q2,
+                              const float* qf, const float* w) {
+  int k2[kIndexDim];
+  for (int j = 0; j < kIndexDim / 2; ++j) {
+    k2[2 * j] = E2m1Twice(packed[j] & 15u);
+    k2[2 * j + 1] = E2m1Twice(packed[j] >> 4);
+  }
+  float c[kIndexHeads];
+  for (int h = 0; h < kIndexHeads; ++h) {
+    float d = 0.f;
+    for (int b = 0; b < kIndexScales; ++b) {
+      int s = 0;
+      for (int j = 0; j < kMxfp4Block; ++j)
+        s += q2[h * kIndexDim + kMxfp4Block * b + j] * k2[kMxfp4Block * b + j];
+      const float u = static_cast<float>(s) * num::E8m0ToF32(scales[b]);
+      const float qb = qf[b * kIndexHeads + h];
+      d = b == 0 ? u * qb : fmaf(u, qb, d);
+    }
+    c[h] = w[h] * (d > 0.f ? d : 0.f);
+  }
+  return PairwiseSum64(c);
 }
 
 // Entries a query at position p >= 0 may see: (p + 1) / 4, capped at `limit`.
