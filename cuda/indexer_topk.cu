@@ -12,8 +12,9 @@
 //     (0 for an entry of a missing block).
 //     With q_format "mxfp4": QuantizeQueryKernel then ScoreKernelMxfp4
 //     (integer block sums on the tensor cores; see below).
-//  2. SelectKernel, one block per token: an MSB-first radix select (4 passes
-//     of 8 bits) finds the k-th largest key; one ordered pass collects the
+//  2. SelectKernel, one block per token: an MSB-first radix select (passes
+//     of 8 bits from the top bit where the keys differ) finds the k-th
+//     largest key; one ordered pass collects the
 //     keys above it and the lowest-indexed keys equal to it; a bitonic sort
 //     in shared memory orders them (key descending, index ascending).
 #include <cuda_runtime.h>
@@ -216,30 +217,50 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
 // to 231, else the tile takes the subtract-then-multiply path). The head sum
 // is the balanced tree of dsv4/indexer.h: within a lane, then across the
 // quad's lanes by shuffles.
-constexpr int kQuantThreads = kIndexHeads * kIndexScales;   // one (head, block) each
+constexpr int kQuantThreads = 256;                           // 32 (head, block) pairs
 constexpr int kMmaThreads = 128;
 constexpr int kMmaWarps = kMmaThreads / 32;
 constexpr int kTile = 16;                                    // entries per warp tile
-constexpr int kMaxTilesPerWarp = 8;
+constexpr int kMaxTilesPerWarp = 16;
 constexpr uint32_t kMagicBits = 0x4B400000u;                 // 1.5 * 2^23
 constexpr float kMagic = 12582912.f;
 constexpr uint32_t kFastScaleMax = 231;
 
+// qscratch of the CUDA handler: the MMA's B operands in fragment order, so a
+// lane's 8 bytes for (8 heads j, block b) are at ((j * 4 + b) * 32 + lane) * 8:
+// lane (g, c) = (lane / 4, lane % 4) holds head 8j + g, channels 32b + 8c ..
+// 32b + 8c + 7. Then the f32 factors Q[b][h].
+// Eight lanes per (head, block), four channels each: the block's amax by
+// shuffles, then every lane codes its four values and stores them as one
+// word of the fragment. Grid (T, 8): 32 (head, block) pairs per CTA.
 __global__ void __launch_bounds__(kQuantThreads) QuantizeQueryKernel(IndexerTopkArgs a) {
   const int64_t t = blockIdx.x;
   const TokenInfo ti = ReadToken(a, t);
   if (!ti.ok || ti.n == 0) return;
-  const int h = threadIdx.x / kIndexScales, b = threadIdx.x % kIndexScales;
-  uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
-  int8_t q2[kMxfp4Block];
-  const float f = QuantizeIndexQueryBlock(a.q + (t * kIndexHeads + h) * kIndexDim + b * kMxfp4Block, q2);
-  uint32_t* dst = reinterpret_cast<uint32_t*>(qs + h * kIndexDim + b * kMxfp4Block);
+  const int pair = blockIdx.y * (kQuantThreads / 8) + threadIdx.x / 8;
+  const int h = pair / kIndexScales, b = pair % kIndexScales, r = threadIdx.x % 8;
+  const uint2 raw = *reinterpret_cast<const uint2*>(
+      a.q + (t * kIndexHeads + h) * kIndexDim + b * kMxfp4Block + 4 * r);
+  const float x[4] = {num::BitsFloat(raw.x << 16), num::BitsFloat(raw.x & 0xffff0000u),
+                      num::BitsFloat(raw.y << 16), num::BitsFloat(raw.y & 0xffff0000u)};
+  float amax = num::Mxfp4AmaxFloor();
 #pragma unroll
-  for (int v = 0; v < kMxfp4Block / 4; ++v)
-    dst[v] = static_cast<uint8_t>(q2[4 * v]) | (static_cast<uint8_t>(q2[4 * v + 1]) << 8) |
-             (static_cast<uint8_t>(q2[4 * v + 2]) << 16) |
-             (static_cast<uint32_t>(static_cast<uint8_t>(q2[4 * v + 3])) << 24);
-  reinterpret_cast<float*>(qs + kQueryCodeBytes)[b * kIndexHeads + h] = f;
+  for (int v = 0; v < 4; ++v) amax = num::MaxF(amax, num::AbsF(x[v]));
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) amax = num::MaxF(amax, __shfl_xor_sync(cuda::kFull, amax, o));
+  const uint8_t sb = num::Mxfp4ScaleByte(amax);
+  const float s = num::E8m0ToF32(sb);
+  uint32_t word = 0;
+#pragma unroll
+  for (int v = 0; v < 4; ++v)
+    word |= static_cast<uint32_t>(static_cast<uint8_t>(E2m1Twice(num::Mxfp4Code(x[v], s))))
+            << (8 * v);
+  uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
+  // channels 32b + 4r .. +3: half r % 2 of lane (h % 8, r / 2)'s 8 bytes
+  uint32_t* frag = reinterpret_cast<uint32_t*>(qs) +
+                   2 * (((h / 8) * kIndexScales + b) * 32 + (h % 8) * 4 + r / 2) + r % 2;
+  *frag = word;
+  if (r == 0) reinterpret_cast<float*>(qs + kQueryCodeBytes)[b * kIndexHeads + h] = IndexQueryFactor(sb);
 }
 
 // Four e2m1 codes (the low 16 bits, code k in bits 4k..4k+3) -> four int8
@@ -287,7 +308,7 @@ __device__ __forceinline__ float QuadHeadTree(const float (&p)[8], int c) {
 
 // Scores of the tile's entries g and g + 8 (this lane's rows).
 template <bool kFast>
-__device__ __forceinline__ void ScoreTileMxfp4(const uint32_t (&bq)[8][kIndexScales][2],
+__device__ __forceinline__ void ScoreTileMxfp4(const uint2* bfrag,
                                                const float2 (*qf_s)[kIndexHeads / 2],
                                                const float2* w_s, const uint32_t (&kg)[4],
                                                const uint32_t (&kh)[4], uint32_t sg, uint32_t sh,
@@ -303,7 +324,8 @@ __device__ __forceinline__ void ScoreTileMxfp4(const uint32_t (&bq)[8][kIndexSca
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       uint32_t d[4];
-      MmaS8(d, a0, a1, a2, a3, bq[j][b][0], bq[j][b][1]);
+      const uint2 bq = bfrag[(j * kIndexScales + b) * 32];
+      MmaS8(d, a0, a1, a2, a3, bq.x, bq.y);
       const float2 Q = qf_s[b][4 * j + c];
       float u[4];
       if (kFast) {
@@ -346,67 +368,94 @@ __device__ __forceinline__ bool FastScales(uint32_t s) {
          ((s >> 16) & 255u) <= kFastScaleMax && (s >> 24) <= kFastScaleMax;
 }
 
-__global__ void __launch_bounds__(kMmaThreads) ScoreKernelMxfp4(IndexerTopkArgs a,
-                                                                int tiles_per_warp) {
+// Key bytes of one tile for this lane (rows g and g + 8, channels 8c.. of
+// each block) and their scale words; false for a missing block (no loads).
+struct TileKeys {
+  uint32_t kg[4], kh[4], sg, sh;
+};
+
+__device__ __forceinline__ bool LoadTileKeys(const IndexerTopkArgs& a, int64_t l, int32_t block,
+                                             int64_t e0, int g, int c, TileKeys* k) {
+  if (block < 0 || block >= a.N) return false;
+  const int64_t row_g = (l * a.N + block) * kPerBlock + e0 % kPerBlock + g;
+  const uint32_t* pg = reinterpret_cast<const uint32_t*>(a.packed + row_g * kIndexPacked);
+  const uint32_t* ph = pg + 8 * kIndexPacked / 4;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    k->kg[b] = __ldg(pg + 4 * b + c);
+    k->kh[b] = __ldg(ph + 4 * b + c);
+  }
+  k->sg = __ldg(reinterpret_cast<const uint32_t*>(a.scale + row_g * kIndexScales));
+  k->sh = __ldg(reinterpret_cast<const uint32_t*>(a.scale + (row_g + 8) * kIndexScales));
+  return true;
+}
+
+// One CTA: one token, kMmaWarps * tiles_per_warp * 16 consecutive entries;
+// warp w takes tiles w, w + 4, ...; the next tile's keys are loaded while
+// the current one is scored.
+__global__ void __launch_bounds__(kMmaThreads, 4) ScoreKernelMxfp4(IndexerTopkArgs a,
+                                                                   int tiles_per_warp) {
+  __shared__ uint2 bfrag_s[kQueryCodeBytes / 8];            // B operands, fragment order
   __shared__ float2 qf_s[kIndexScales][kIndexHeads / 2];   // Q[b][h], two heads a float2
   __shared__ float2 w_s[kIndexHeads / 2];
+  __shared__ int32_t blocks_s[kMmaWarps * kMaxTilesPerWarp * kTile / kPerBlock];
   const int64_t t = blockIdx.x;
   const TokenInfo ti = ReadToken(a, t);
-  const int64_t first = static_cast<int64_t>(blockIdx.y) * kMmaWarps * tiles_per_warp * kTile;
+  const int64_t span = static_cast<int64_t>(kMmaWarps) * tiles_per_warp * kTile;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * span;
   if (!ti.ok || first >= ti.n) return;
   const uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
+  const uint4* src = reinterpret_cast<const uint4*>(qs);
+  for (int i = threadIdx.x; i < kQueryCodeBytes / 16; i += kMmaThreads)
+    reinterpret_cast<uint4*>(bfrag_s)[i] = src[i];
   const float* qfg = reinterpret_cast<const float*>(qs + kQueryCodeBytes);
   for (int i = threadIdx.x; i < kIndexScales * kIndexHeads; i += kMmaThreads)
     (&qf_s[0][0].x)[i] = qfg[i];
   if (threadIdx.x < kIndexHeads) (&w_s[0].x)[threadIdx.x] = a.weights[t * kIndexHeads + threadIdx.x];
+  if (threadIdx.x < span / kPerBlock) {
+    const int64_t j = first / kPerBlock + threadIdx.x;
+    blocks_s[threadIdx.x] = j < a.MB ? a.block_table[ti.slot * a.MB + j] : -1;
+  }
   __syncthreads();
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  uint32_t bq[8][kIndexScales][2];   // B operands: head 8j+g, channels 32b+8c .. +7
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int b = 0; b < kIndexScales; ++b) {
-      const uint2 v = *reinterpret_cast<const uint2*>(qs + (8 * j + g) * kIndexDim +
-                                                      kMxfp4Block * b + 8 * c);
-      bq[j][b][0] = v.x;
-      bq[j][b][1] = v.y;
-    }
+  const uint2* bfrag = bfrag_s + lane;
   uint32_t* keys = a.scratch + t * a.E;
   const int64_t l = *a.layer;
-  for (int it = 0; it < tiles_per_warp; ++it) {
-    const int64_t e0 = first + (static_cast<int64_t>(it) * kMmaWarps + warp) * kTile;
-    if (e0 >= ti.n) break;                       // uniform in the warp
-    const int64_t block = a.block_table[ti.slot * a.MB + e0 / kPerBlock];
-    if (block < 0 || block >= a.N) {
+  const int64_t stride = static_cast<int64_t>(kMmaWarps) * kTile;
+  int64_t e0 = first + warp * kTile;
+  TileKeys cur, next;
+  bool cur_ok = e0 < ti.n && LoadTileKeys(a, l, blocks_s[(e0 - first) / kPerBlock], e0, g, c, &cur);
+  for (int it = 0; it < tiles_per_warp && e0 < ti.n; ++it, e0 += stride) {   // uniform per warp
+    const int64_t e1 = e0 + stride;
+    const bool next_ok = it + 1 < tiles_per_warp && e1 < ti.n &&
+                         LoadTileKeys(a, l, blocks_s[(e1 - first) / kPerBlock], e1, g, c, &next);
+    if (!cur_ok) {
       if (lane < kTile && e0 + lane < ti.n) keys[e0 + lane] = 0;
-      continue;
+    } else {
+      float score_g, score_h;
+      if (__all_sync(cuda::kFull, FastScales(cur.sg) && FastScales(cur.sh)))
+        ScoreTileMxfp4<true>(bfrag, qf_s, w_s, cur.kg, cur.kh, cur.sg, cur.sh, c, &score_g, &score_h);
+      else
+        ScoreTileMxfp4<false>(bfrag, qf_s, w_s, cur.kg, cur.kh, cur.sg, cur.sh, c, &score_g, &score_h);
+      if (c == 0 && e0 + g < ti.n) keys[e0 + g] = IndexRankKey(score_g);
+      if (c == 1 && e0 + g + 8 < ti.n) keys[e0 + g + 8] = IndexRankKey(score_h);
     }
-    const int64_t row_g = (l * a.N + block) * kPerBlock + e0 % kPerBlock + g;
-    const uint32_t* pg = reinterpret_cast<const uint32_t*>(a.packed + row_g * kIndexPacked);
-    const uint32_t* ph = pg + 8 * kIndexPacked / 4;
-    uint32_t kg[4], kh[4];
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      kg[b] = __ldg(pg + 4 * b + c);
-      kh[b] = __ldg(ph + 4 * b + c);
-    }
-    const uint32_t sg = __ldg(reinterpret_cast<const uint32_t*>(a.scale + row_g * kIndexScales));
-    const uint32_t sh =
-        __ldg(reinterpret_cast<const uint32_t*>(a.scale + (row_g + 8) * kIndexScales));
-    float score_g, score_h;
-    if (__all_sync(cuda::kFull, FastScales(sg) && FastScales(sh)))
-      ScoreTileMxfp4<true>(bq, qf_s, w_s, kg, kh, sg, sh, c, &score_g, &score_h);
-    else
-      ScoreTileMxfp4<false>(bq, qf_s, w_s, kg, kh, sg, sh, c, &score_g, &score_h);
-    if (c == 0 && e0 + g < ti.n) keys[e0 + g] = IndexRankKey(score_g);
-    if (c == 1 && e0 + g + 8 < ti.n) keys[e0 + g + 8] = IndexRankKey(score_h);
+    cur = next;
+    cur_ok = next_ok;
   }
 }
 
 // Tiles per warp: enough CTAs for about four per multiprocessor, at most
-// kMaxTilesPerWarp (each CTA first loads the token's 8 KB of q operands).
+// kMaxTilesPerWarp (each CTA first loads the token's 9 KB of q operands).
+// DSV4_INDEXER_TILES=n (read once) fixes it, for benchmarks.
 int TilesPerWarp(int64_t T, int64_t E) {
+  static const int forced = [] {
+    const char* v = std::getenv("DSV4_INDEXER_TILES");
+    const int n = v ? std::atoi(v) : 0;
+    return n >= 1 && n <= kMaxTilesPerWarp ? n : 0;
+  }();
+  if (forced) return forced;
   const int64_t per_tile_cta = static_cast<int64_t>(kTile) * kMmaWarps * cuda::SmCount() * 4;
   const int64_t tpw = T * E / per_tile_cta;
   return static_cast<int>(tpw < 1 ? 1 : tpw > kMaxTilesPerWarp ? kMaxTilesPerWarp : tpw);
@@ -434,6 +483,22 @@ __device__ int BlockExclusiveScan(int x, int* warp_sums, int* total) {
   __syncthreads();
   *total = all;
   return before + v - x;
+}
+
+// f(key) for keys[tid], keys[tid + kSelectThreads], ... below n; eight loads
+// are issued before their uses, so a pass is not one L2 round trip per key.
+template <typename F>
+__device__ __forceinline__ void ForEachKey(const uint32_t* keys, int64_t n, F f) {
+  constexpr int kUnroll = 8;
+  int64_t i = threadIdx.x;
+  for (; i + (kUnroll - 1) * kSelectThreads < n; i += kUnroll * kSelectThreads) {
+    uint32_t k[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) k[u] = keys[i + u * kSelectThreads];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) f(k[u]);
+  }
+  for (; i < n; i += kSelectThreads) f(keys[i]);
 }
 
 __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a, int kp) {
@@ -465,63 +530,105 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   }
   const uint32_t* keys = a.scratch + t * a.E;
 
-  // ---- radix select: the K-th largest non-zero key ----
-  uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(a.K);
-  for (int pass = 0; pass < 4; ++pass) {
-    const int shift = 24 - 8 * pass;
-    for (int b = tid; b < 256; b += kSelectThreads) hist[b] = 0;
-    __syncthreads();
-    for (int64_t i = tid; i < n; i += kSelectThreads) {
-      const uint32_t key = keys[i];
-      if (key != 0 && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+  // ---- range and count of the candidate keys (one pass, no atomics) ----
+  // Scores of one token are of similar size, so their rank keys share the
+  // top bits; a radix on fixed bytes would pile every key of the first pass
+  // into one or two bins (serialized shared atomics). The radix starts at
+  // the highest bit where the smallest and largest keys differ instead.
+  uint32_t lo = 0xffffffffu, hi = 0;
+  int cnt = 0;
+  ForEachKey(keys, n, [&](uint32_t key) {
+    if (key != 0) {
+      lo = min(lo, key);
+      hi = max(hi, key);
+      ++cnt;
     }
+  });
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  }
+  __shared__ uint32_t w_lo[kSelectThreads / 32], w_hi[kSelectThreads / 32];
+  if ((tid & 31) == 0) {
+    w_lo[tid >> 5] = lo;
+    w_hi[tid >> 5] = hi;
+    warp_sums[tid >> 5] = cnt;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    uint32_t l0 = 0xffffffffu, h0 = 0, c0 = 0;
+    for (int w = 0; w < kSelectThreads / 32; ++w) {
+      l0 = min(l0, w_lo[w]);
+      h0 = max(h0, w_hi[w]);
+      c0 += static_cast<uint32_t>(warp_sums[w]);
+    }
+    s_ncand = c0;
+    s_prefix = h0;
+    s_need = l0 ^ h0;
+  }
+  __syncthreads();
+  const uint32_t ncand = s_ncand, diff = s_need;
+  uint32_t prefix = 0, need = 0;
+  if (ncand > static_cast<uint32_t>(a.K)) {
+    // ---- radix select: the K-th largest key, 8 bits a pass from the top
+    // differing bit (keys equal above it are the common prefix) ----
+    need = static_cast<uint32_t>(a.K);
+    int top = diff ? 31 - __clz(diff) : -1;
+    uint32_t mask = top < 0 ? ~0u : top == 31 ? 0u : ~((2u << top) - 1u);   // bits above top
+    prefix = s_prefix & mask;
     __syncthreads();
-    if (tid < 32) {
-      // lane L holds bins 8(31-L) .. 8(31-L)+7: lane 0 the highest
-      const int base = 8 * (31 - tid);
-      int c[8], sum = 0;
+    for (; top >= 0; top -= 8) {
+      const int width = top + 1 < 8 ? top + 1 : 8;
+      const int shift = top + 1 - width;
+      for (int b = tid; b < 256; b += kSelectThreads) hist[b] = 0;
+      __syncthreads();
+      ForEachKey(keys, n, [&](uint32_t key) {
+        if (key != 0 && (key & mask) == prefix)
+          atomicAdd(&hist[(key >> shift) & ((1u << width) - 1u)], 1);
+      });
+      __syncthreads();
+      if (tid < 32) {
+        // lane L holds bins 8(31-L) .. 8(31-L)+7: lane 0 the highest
+        const int base = 8 * (31 - tid);
+        int c[8], sum = 0;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        c[e] = hist[base + e];
-        sum += c[e];
-      }
-      int incl = sum;
+        for (int e = 0; e < 8; ++e) {
+          c[e] = hist[base + e];
+          sum += c[e];
+        }
+        int incl = sum;
 #pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (tid >= o) incl += y;
-      }
-      const int total = __shfl_sync(0xffffffffu, incl, 31);
-      const int excl = incl - sum;
-      if (pass == 0 && tid == 0) s_ncand = static_cast<uint32_t>(total);
-      const bool cross = excl < static_cast<int>(need) && incl >= static_cast<int>(need);
-      // exactly one lane crosses, except in pass 0 when there are at most
-      // `need` candidates: then all are taken (below) and s_prefix is unused
-      if (cross) {
-        int cum = excl;
-        for (int e = 7; e >= 0; --e) {
-          if (cum + c[e] >= static_cast<int>(need)) {
-            s_prefix = prefix | (static_cast<uint32_t>(base + e) << shift);
-            s_need = need - static_cast<uint32_t>(cum);
-            break;
+        for (int o = 1; o < 32; o <<= 1) {
+          int y = __shfl_up_sync(0xffffffffu, incl, o);
+          if (tid >= o) incl += y;
+        }
+        const int excl = incl - sum;
+        // the keys matching the prefix number at least `need`: one lane crosses
+        if (excl < static_cast<int>(need) && incl >= static_cast<int>(need)) {
+          int cum = excl;
+          for (int e = 7; e >= 0; --e) {
+            if (cum + c[e] >= static_cast<int>(need)) {
+              s_prefix = prefix | (static_cast<uint32_t>(base + e) << shift);
+              s_need = need - static_cast<uint32_t>(cum);
+              break;
+            }
+            cum += c[e];
           }
-          cum += c[e];
         }
       }
+      __syncthreads();
+      prefix = s_prefix;
+      need = s_need;
+      mask |= ((1u << width) - 1u) << shift;
+      __syncthreads();
     }
-    __syncthreads();
-    if (pass == 0 && s_ncand <= static_cast<uint32_t>(a.K)) {
-      prefix = 0;
-      need = 0;
-      break;
-    }
-    prefix = s_prefix;
-    need = s_need;
-    mask |= 255u << shift;
-    __syncthreads();
+    // top < 0 from the start: every candidate holds the same key; the first
+    // K by index are taken (prefix = that key, need = K)
   }
   const uint32_t thr = prefix;
-  const int64_t m = s_ncand < static_cast<uint32_t>(a.K) ? s_ncand : a.K;
+  const int64_t m = ncand < static_cast<uint32_t>(a.K) ? ncand : a.K;
   const int64_t n_gt = m - need;   // keys above thr (all of them)
 
   // ---- collect: all keys > thr in any order, the first `need` keys == thr ----
@@ -610,7 +717,9 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
       const int64_t ctas = (a.E + span - 1) / span;
       if (ctas > 65535)
         return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
-      QuantizeQueryKernel<<<static_cast<unsigned>(a.T), kQuantThreads, 0, stream>>>(a);
+      QuantizeQueryKernel<<<dim3(static_cast<unsigned>(a.T), kIndexHeads * kIndexScales * 8 /
+                                                                  kQuantThreads),
+                            kQuantThreads, 0, stream>>>(a);
       ScoreKernelMxfp4<<<dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas)),
                          kMmaThreads, 0, stream>>>(a, tpw);
     } else if (SplitScores(a.T, a.E)) {

@@ -484,16 +484,18 @@ def few_distinct_keys(rng, st, n_distinct=6):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_long_context_many_ties(impl, q_format):
     """2048 entries (several score chunks and select passes on CUDA), k = 512
-    and 700, scores in six tie groups, plus one token with random keys."""
+    and 700, scores in six tie groups, in one (every key equal), and random
+    keys."""
     rng = np.random.default_rng(21)
     st = make_state(rng, R=2, max_context=8192)
     st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
         [np.r_[b] for b in random_blocks(rng, st.config, range(2)).values()]).astype(np.int32)))
     tied = few_distinct_keys(rng, st)
+    same = few_distinct_keys(rng, st, n_distinct=1)     # one key everywhere: one big tie
     slot = np.array([0, 1, 0, 1], np.int32)
     pos = np.array([8191, 5000, 3001, 8191], np.int32)
     q, w = queries(rng, 4)
-    for state in (tied, st):
+    for state in (tied, same, st):
         for k in (512, 700):
             got = np.asarray(run(state, 1, slot, pos, q, w, k, impl, return_state=False,
                                  q_format=q_format))

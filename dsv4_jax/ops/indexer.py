@@ -35,8 +35,24 @@ kernel, so the three return the same indices in the same order):
 All fp32, round to nearest even, no FMA contraction of c into the sum, no
 flushing of subnormals (a backend that flushes them may differ on keys with
 scale byte 0, which the quantizer never writes). For ranking, a NaN score
-counts as -inf and -0 as +0. q is taken as given (no MXFP4 simulation of the
-query).
+counts as -inf and -0 as +0.
+
+q_format="bf16" (the default) takes q as given. q_format="mxfp4" first
+rounds every (head, 32-channel block) of q to MXFP4 exactly as a key block is
+rounded (amax floor 6 * 2^-126, scale = smallest power of two >= amax / 6,
+e2m1 codes): the FP4 query that issue 9 says the official inference code
+simulates (not checked against that code here). Then (dsv4/indexer.h):
+  S[b]  = sum_j q2[h, 32b+j] * k2[32b+j]   integers (twice each e2m1 value),
+                                          exact in any order
+  u[b]  = fl(S[b] * 2^(key scale byte - 127))
+  d     = fl(u[0] * Q[0]); d = fma(u[b], Q[b], d), b = 1..3,
+          Q[b] = 2^(query scale byte - 129)
+  c[h]  = w[h] * (d > 0 ? d : 0)
+  score = balanced pairwise tree over c[0..63] in head order
+The products u * Q are exact unless they leave the normal fp32 range (block
+amaxes of q and k whose product is below ~2^-110), so there the jnp
+reference (mul + add) equals the handlers' fma. On the GPU the block sums
+run on the int8 tensor cores; the fp32 tail is the same on every backend.
 
 FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
   args  layer i32[] (CSA index, -1 = bad), token_slot i32[T], token_pos i32[T],
@@ -44,7 +60,10 @@ FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
         errors i32[8], csa.index.packed u8[Lc, N, 32, 64],
         csa.index.scale e8m0[Lc, N, 32, 4]
   rets  indices i32[T, k], scratch u32[T, MB * 32] (per-entry rank keys; the
-        handlers' working memory, discarded), errors (aliased)
+        handlers' working memory, discarded), qscratch u8[T, 9216] for
+        q_format 1, else u8[T, 0] (the rounded query, laid out as each
+        handler likes; discarded), errors (aliased)
+  attrs q_format 0 ("bf16") or 1 ("mxfp4")
 """
 from __future__ import annotations
 

@@ -98,14 +98,17 @@ DSV4_HD uint32_t IndexRankKey(float s) {
 // u[b] * Q[b] is exact unless it leaves the normal fp32 range, so the fma
 // equals a multiply and an add wherever no subnormal appears.
 constexpr int kQueryCodeBytes = kIndexHeads * kIndexDim;                  // int8 q2[64][128]
-constexpr int kQueryScratchBytes = kQueryCodeBytes + 4 * kIndexHeads * kIndexScales;  // + f32 Q[4][64]
+// qscratch bytes per token: the int8 codes (layout up to the handler) + f32 Q[4][64]
+constexpr int kQueryScratchBytes = kQueryCodeBytes + 4 * kIndexHeads * kIndexScales;
 
 enum IndexQueryFormat : int64_t { kQueryBf16 = 0, kQueryMxfp4 = 1 };
 
 // Twice the e2m1 value of a code (low 4 bits), as an integer.
+// Magnitude code m: m for m < 4, else (2 or 3) * 2^(m/2 - 1): 4 6 8 12 (no
+// table, so a GPU thread keeps it in registers).
 DSV4_HD int E2m1Twice(uint32_t c) {
-  const int mag[8] = {0, 1, 2, 3, 4, 6, 8, 12};
-  int v = mag[c & 7u];
+  const int m = static_cast<int>(c & 7u);
+  const int v = m < 4 ? m : (2 + (m & 1)) << ((m >> 1) - 1);
   return (c & 8u) ? -v : v;
 }
 
