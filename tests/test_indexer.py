@@ -531,9 +531,10 @@ def has_cuda_target():
         return False
 
 
+@pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", ["reference", pytest.param("cpu", marks=[requires_cpu_ffi,
                                                                           needs_cpu_target])])
-def test_sharded_equals_each_shard_alone(impl):
+def test_sharded_equals_each_shard_alone(impl, q_format):
     """Under shard_map over 2 CPU devices each shard ranks its own requests'
     keys (shard-local slots and blocks) exactly as an unsharded state of that
     shard does; errors land in the shard's own counters."""
@@ -569,12 +570,12 @@ def test_sharded_equals_each_shard_alone(impl):
     k = 24
     with jax.set_mesh(mesh):
         got, st2 = jax.jit(lambda st, s, p, q, w: D.indexer_topk(
-            st, 1, s, p, q, w, k, impl=impl, return_state=True))(
+            st, 1, s, p, q, w, k, impl=impl, q_format=q_format, return_state=True))(
                 state, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q), jnp.asarray(w))
     got = np.asarray(got)
     for sh, local in enumerate(unshard(state, cfg)):
         rows = slice(3 * sh, 3 * sh + 3)
-        want, _ = expected(local, 1, slot[rows], pos[rows], q[rows], w[rows], k)
+        want, _ = expected(local, 1, slot[rows], pos[rows], q[rows], w[rows], k, q_format)
         np.testing.assert_array_equal(got[rows], want, err_msg=f"shard {sh}")
     err = np.asarray(st2.errors).reshape(2, -1)
     # shard 0: token 1 (slot 1, pos 200 -> 50 entries) needs logical block 1: missing
