@@ -115,6 +115,9 @@ def test_pool_beyond_2_gib(kind):
     _, small_reads, small_rows = _step_and_reads(small_cfg, small_slot, small_blocks)
     state, big_reads, big_rows = _step_and_reads(big_cfg, big_slot, big_blocks)
     del state
+    stats = jax.devices()[0].memory_stats() or {}
+    print(f"{kind}: largest leaf {big_leaf / 2 ** 30:.2f} GiB, device peak "
+          f"{stats.get('peak_bytes_in_use', 0) / 2 ** 30:.2f} GiB")
     assert not big_rows[".errors"].any() and not small_rows[".errors"].any()
     assert list(big_rows[".block_table"][big_slot]) == list(big_blocks)
     # the gathers read the far entries exactly as the near ones
