@@ -22,6 +22,8 @@
 #   SANITIZE_TIMEOUT=300                  seconds per tool run
 #   SANITIZE_KERNELS=dsv4                 kernel-name substring to check; "all": every kernel
 #   SANITIZE_ALLOCATOR=platform           XLA_PYTHON_CLIENT_ALLOCATOR
+#   SANITIZE_COMMAND_BUFFERS=0            1: leave XLA's command buffers on
+#   SANITIZE_OPTS=                        more compute-sanitizer options
 #   COMPUTE_SANITIZER=path                the sanitizer binary
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +39,13 @@ export PYTHONUNBUFFERED=1
 # preallocated arena it would land in a neighbour, unseen).
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export XLA_PYTHON_CLIENT_ALLOCATOR=${SANITIZE_ALLOCATOR:-platform}
+# XLA's command buffers (CUDA graphs) off unless SANITIZE_COMMAND_BUFFERS=1:
+# the kernels then run as plain launches (the 1000-step replay test covers
+# the graphs without the sanitizer). conftest's default flags kept.
+if [ "${SANITIZE_COMMAND_BUFFERS:-0}" = 0 ]; then
+  export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=4} --xla_gpu_enable_command_buffer="
+fi
+read -r -a SANITIZE_OPTS <<< "${SANITIZE_OPTS:-}"   # more compute-sanitizer options
 export DSV4_BAD_INPUT_EXAMPLES=${DSV4_BAD_INPUT_EXAMPLES:-4} DSV4_REPLAY_STEPS=${DSV4_REPLAY_STEPS:-20}
 
 MEMCHECK_ARGS=(tests/test_numerics_gpu.py tests/test_apply_step.py tests/test_cuda_replay.py
@@ -58,10 +67,11 @@ if [ "${SANITIZE_KERNELS:-dsv4}" != all ]; then
   [ ${#filter[@]} -gt 0 ] || echo "sanitize: no kernel filter option found: checking every kernel"
 fi
 
-kill_tree() {  # a process and its descendants, by pid, the deepest first
-  local child
-  for child in $(pgrep -P "$1"); do kill_tree "$child"; done
-  kill -KILL "$1" 2>/dev/null
+reap() {  # every process of one run, found by the marker in its environment
+  local d
+  for d in /proc/[0-9]*; do
+    grep -qsxz "DSV4_SANITIZE_RUN=$1" "$d/environ" && kill -KILL "${d#/proc/}" 2>/dev/null
+  done
 }
 
 fail=0
@@ -74,17 +84,25 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
   echo "== compute-sanitizer --tool $tool ${filter[*]} (allocator $XLA_PYTHON_CLIENT_ALLOCATOR)"
   t0=$(date +%s)
   limit=${SANITIZE_TIMEOUT:-300}
-  # straight to the file (a pipe would wait on any survivor), killed whole at the limit
-  "$SAN" --tool "$tool" "${filter[@]}" --error-exitcode 86 --print-limit 20 \
+  # Straight to the file: a pipe would wait on a survivor. The sanitizer has
+  # been seen to die of a segfault and leave its target running, so every
+  # process of the run (marked in its environment) is ended at the limit and
+  # after the sanitizer exits.
+  run_id="$$-$tool-$t0"
+  DSV4_SANITIZE_RUN=$run_id "$SAN" --tool "$tool" "${filter[@]}" "${SANITIZE_OPTS[@]}" \
+    --error-exitcode 86 --print-limit 20 \
     "$PY" -m pytest -m gpu -p no:cacheprovider -x -v -rs --durations=8 \
     -o console_output_style=times "${args[@]}" > "$log" 2>&1 &
   pid=$!
-  ( sleep "$limit"; echo "sanitize: $tool past its ${limit} s: stopped" >> "$log"; kill_tree "$pid" ) &
+  ( sleep "$limit"; echo "sanitize: $tool past its ${limit} s: stopped" >> "$log"; reap "$run_id" ) \
+    > /dev/null 2>&1 &
   dog=$!
   disown "$dog"
   wait "$pid"
   rc=$?
-  kill_tree "$dog"
+  pkill -KILL -P "$dog" 2>/dev/null   # the watchdog's sleep, then the watchdog
+  kill -KILL "$dog" 2>/dev/null
+  reap "$run_id"
   echo "$tool: rc=$rc in $(( $(date +%s) - t0 )) s"
   grep -E "=+ (ERROR|RACECHECK) SUMMARY|past its" "$log"
   grep -E "[0-9]+ (passed|failed|skipped|deselected)" "$log" | tail -1
