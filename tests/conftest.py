@@ -35,6 +35,17 @@ requires_cpu_ffi = pytest.mark.skipif(
     reason="_dsv4_cpu not built, or the default backend is not the CPU")
 
 
+def available_host_gb() -> float:
+    """MemAvailable of the host in GiB (0 where /proc/meminfo is missing)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1]) / 2 ** 20
+    except OSError:
+        pass
+    return 0.0
+
+
 def as_bytes(x) -> np.ndarray:
     """The raw bytes of an array (NaN-safe, dtype-agnostic comparison)."""
     a = np.ascontiguousarray(np.asarray(x))

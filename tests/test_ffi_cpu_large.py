@@ -6,24 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import available_host_gb
 from dsv4_jax import _ffi
 from dsv4_jax.ops._dispatch import ffi_call, ffi_in_place
 from dsv4_jax.state import E8M0, FP8
 
 
-def _available_gb():
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable"):
-                return int(line.split()[1]) / 2 ** 20
-    except OSError:
-        pass
-    return 0.0
-
-
 pytestmark = [pytest.mark.skipif(not _ffi.has_target("cpu", "dsv4_flush_hca"),
                                  reason="CPU FFI module not built"),
-              pytest.mark.skipif(_available_gb() < 8, reason="needs ~6 GB free memory")]
+              pytest.mark.skipif(available_host_gb() < 8, reason="needs ~6 GB free memory")]
 
 
 def flush_then_gather(num_blocks):

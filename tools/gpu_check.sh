@@ -2,6 +2,9 @@
 # One call on the GPU machine: build the CUDA module, run the GPU tests and the
 # benchmarks, print a short table last. Logs and JSON go to $OUT (or /tmp/gpu_out).
 #   device tool:  bash tools/gpu_check.sh
+# SANITIZE=1 also runs tools/sanitize.sh (compute-sanitizer memcheck and
+# racecheck over the kernel tests, a few minutes) after the tests;
+# SANITIZE=only builds and runs only that.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -19,9 +22,23 @@ fi
 echo "built in $(( $(date +%s) - t0 )) s"
 (cd /tmp && $PY -m dsv4_jax info)
 
+SANITIZE=${SANITIZE:-}
+if [ "$SANITIZE" = only ]; then
+  echo "== compute-sanitizer only"
+  OUT="$OUT" PYTHON="$PY" bash tools/sanitize.sh
+  exit $?
+fi
+
 echo "== GPU tests"
 $PY -m pytest -q -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
+
+sanitize_rc=0
+if [ -n "$SANITIZE" ] && [ "$SANITIZE" != 0 ]; then
+  echo "== compute-sanitizer"
+  OUT="$OUT" PYTHON="$PY" bash tools/sanitize.sh
+  sanitize_rc=$?
+fi
 
 bench_rc=0
 if [ -f benchmarks/run.py ] && [ -z "${SKIP_BENCH:-}" ]; then
@@ -32,5 +49,5 @@ fi
 
 echo "== summary"
 grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -1
-echo "tests rc=$test_rc bench rc=$bench_rc"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "tests rc=$test_rc sanitize rc=$sanitize_rc bench rc=$bench_rc"
+[ "$test_rc" -eq 0 ] && [ "$sanitize_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
