@@ -2,6 +2,8 @@
 # One call on the GPU machine: build the CUDA module, run the GPU tests and the
 # benchmarks, print a short table last. Logs and JSON go to $OUT (or /tmp/gpu_out).
 #   device tool:  bash tools/gpu_check.sh
+# SKIP_BENCH=1 skips both benchmarks, SKIP_OPS_BENCH=1 only benchmarks/run.py;
+# BENCH_ARGS / INDEXER_BENCH_ARGS / PYTEST_ARGS pass options through.
 # SANITIZE=1 also runs tools/sanitize.sh (compute-sanitizer memcheck and
 # racecheck over the kernel tests, a few minutes) after the tests;
 # SANITIZE=only builds and runs only that.
@@ -41,10 +43,16 @@ if [ -n "$SANITIZE" ] && [ "$SANITIZE" != 0 ]; then
 fi
 
 bench_rc=0
-if [ -f benchmarks/run.py ] && [ -z "${SKIP_BENCH:-}" ]; then
+if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== benchmarks"
-  $PY benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
-  bench_rc=${PIPESTATUS[0]}
+  if [ -z "${SKIP_OPS_BENCH:-}" ]; then
+    $PY benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+    bench_rc=${PIPESTATUS[0]}
+  fi
+  echo "== indexer_topk benchmark"
+  $PY benchmarks/indexer.py --json "$OUT/indexer.json" ${INDEXER_BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/indexer.log" | tail -22
+  [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
 fi
 
 echo "== summary"
