@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
 // which are 4 consecutive packed key bytes); an integer sum does not care.
 // The accumulator starts at 0x4B400000, so its bits read as a float are
 // 1.5 * 2^23 + S, and one fma gives u = fl(S * K) = fma(bits, K, -1.5 * 2^23 * K)
-// (exact products; valid while that constant is finite: key scale bytes up
+// (exact products; valid while that constant is finite: key scale bytes 1
 // to 231, else the tile takes the subtract-then-multiply path). The head sum
 // is the balanced tree of dsv4/indexer.h: within a lane, then across the
 // quad's lanes by shuffles.
@@ -282,7 +282,10 @@ __device__ __forceinline__ void MmaS8(uint32_t (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
 }
 
-__device__ __forceinline__ float Relu(float d) { return d > 0.f ? d : 0.f; }
+// d > 0 ? d : 0 (NaN -> 0) in one instruction. fmaxf may return -0 for
+// d = -0; a zero's sign cannot change a sum with a non-zero term, and the
+// rank key treats -0 as +0, so the keys equal the definition's.
+__device__ __forceinline__ float Relu(float d) { return fmaxf(d, 0.f); }
 
 // Levels 2..6 of the head tree. p[j] (level 1) holds heads 8j+2c, 8j+2c+1
 // of lane c of the quad; every lane of the quad returns the full sum.
@@ -318,8 +321,11 @@ __device__ __forceinline__ void ScoreTileMxfp4(const uint2* bfrag,
   for (int b = 0; b < kIndexScales; ++b) {
     const uint32_t a0 = E2m1x4ToInt8x4(kg[b] & 0xffffu), a2 = E2m1x4ToInt8x4(kg[b] >> 16);
     const uint32_t a1 = E2m1x4ToInt8x4(kh[b] & 0xffffu), a3 = E2m1x4ToInt8x4(kh[b] >> 16);
-    const float Kg = num::E8m0ToF32(static_cast<uint8_t>(sg >> (8 * b)));
-    const float Kh = num::E8m0ToF32(static_cast<uint8_t>(sh >> (8 * b)));
+    // fast tiles hold scale bytes 1..231: 2^(byte - 127) is the byte as an exponent
+    const float Kg = kFast ? __uint_as_float(((sg >> (8 * b)) & 255u) << 23)
+                           : num::E8m0ToF32(static_cast<uint8_t>(sg >> (8 * b)));
+    const float Kh = kFast ? __uint_as_float(((sh >> (8 * b)) & 255u) << 23)
+                           : num::E8m0ToF32(static_cast<uint8_t>(sh >> (8 * b)));
     const float MKg = -kMagic * Kg, MKh = -kMagic * Kh;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -363,9 +369,10 @@ __device__ __forceinline__ void ScoreTileMxfp4(const uint2* bfrag,
   *score_h = QuadHeadTree(ph, c);
 }
 
+// Every scale byte of the word in [1, kFastScaleMax] (byte - 1 <= max - 1,
+// four bytes at once).
 __device__ __forceinline__ bool FastScales(uint32_t s) {
-  return (s & 255u) <= kFastScaleMax && ((s >> 8) & 255u) <= kFastScaleMax &&
-         ((s >> 16) & 255u) <= kFastScaleMax && (s >> 24) <= kFastScaleMax;
+  return __vcmpleu4(__vsub4(s, 0x01010101u), (kFastScaleMax - 1) * 0x01010101u) == 0xffffffffu;
 }
 
 // Key bytes of one tile for this lane (rows g and g + 8, channels 8c.. of

@@ -503,6 +503,28 @@ def test_long_context_many_ties(impl, q_format):
             np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
 
 
+@pytest.mark.parametrize("q_format", Q_FORMATS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_large_key_scales(impl, q_format):
+    """Key scale bytes 228..240 (values up to 2^113): on CUDA, tiles with a
+    byte above 231 take the subtract-then-multiply path, the others the fma
+    path; both give the documented bits (no product overflows here)."""
+    rng = np.random.default_rng(41)
+    st = make_state(rng, R=2, max_context=2048, blocks={0: list(range(8, 16)),
+                                                        1: list(range(16))})
+    scale = rng.integers(228, 241, np.asarray(st.csa.index.scale).shape, dtype=np.uint8)
+    scale[:, :8] = rng.integers(228, 232, scale[:, :8].shape)    # blocks 0..7: fast tiles only
+    st = dataclasses.replace(st, csa=dataclasses.replace(st.csa, index=D.IndexerKeys(
+        st.csa.index.packed, jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
+    slot = np.array([0, 1, 1], np.int32)
+    pos = np.array([1023, 2047, 700], np.int32)
+    q, w = queries(rng, 3)
+    got = np.asarray(run(st, 1, slot, pos, q, w, 100, impl, return_state=False,
+                         q_format=q_format))
+    want, _ = expected(st, 1, slot, pos, q, w, 100, q_format)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [31])
 def test_cuda_equals_reference_on_cpu(seed):
