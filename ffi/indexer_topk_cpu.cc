@@ -43,9 +43,11 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
     }
     const int64_t n = IndexVisible(p, a.E);
     const uint16_t* qt = a.q + t * kIndexHeads * kIndexDim;
-    int8_t* q2 = reinterpret_cast<int8_t*>(a.qscratch + t * kQueryScratchBytes);
-    float* qfac = reinterpret_cast<float*>(a.qscratch + t * kQueryScratchBytes + kQueryCodeBytes);
+    int8_t* q2 = nullptr;   // the token's rounded query in qscratch (mxfp4 only)
+    float* qfac = nullptr;
     if (mxfp4) {
+      q2 = reinterpret_cast<int8_t*>(a.qscratch + t * kQueryScratchBytes);
+      qfac = reinterpret_cast<float*>(a.qscratch + t * kQueryScratchBytes + kQueryCodeBytes);
       for (int h = 0; h < kIndexHeads; ++h)
         for (int b = 0; b < kIndexScales; ++b)
           qfac[b * kIndexHeads + h] = QuantizeIndexQueryBlock(

@@ -19,7 +19,8 @@ from scenario import layer_params
 
 pytestmark = pytest.mark.usefixtures("impl_under_test")
 # DSV4_BAD_INPUT_EXAMPLES shrinks the run (tools/sanitize.sh, under compute-sanitizer)
-SETTINGS = settings(max_examples=int(os.environ.get("DSV4_BAD_INPUT_EXAMPLES", 12)), deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=int(os.environ.get("DSV4_BAD_INPUT_EXAMPLES", 12)),
+                    deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
 T = 32                                   # fixed row count: one compile per op

@@ -65,8 +65,7 @@ def score_entries_mxfp4(packed, scale, q2, qfac, w):
     one MXFP4 query (q2 int8[64, 128], qfac f32[64, 4], w f32[64]), in the
     order of dsv4/indexer.h (q_format "mxfp4")."""
     n = packed.shape[0]
-    codes = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(n, C.INDEX_DIM)
-    k2 = quant.e2m1_twice(codes).reshape(n, C.INDEX_SCALES, C.MXFP4_BLOCK)
+    k2 = quant.e2m1_twice(quant.unpack_mxfp4(packed)).reshape(n, C.INDEX_SCALES, C.MXFP4_BLOCK)
     qb = q2.reshape(C.INDEX_HEADS, C.INDEX_SCALES, C.MXFP4_BLOCK)
     # integer block sums: exact, so the backend's summation order is free
     s = jnp.einsum("nbj,hbj->nhb", k2, qb, preferred_element_type=_I32)

@@ -226,9 +226,13 @@ def quantize_mxfp4(x):
     return packed.astype(jnp.uint8), e8m0_from_bytes(e)
 
 
+def unpack_mxfp4(packed):
+    """packed u8[..., 64] -> e2m1 codes u8[..., 128] (element 2j in the low nibble)."""
+    return jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(
+        packed.shape[:-1] + (C.INDEX_DIM,))
+
+
 def dequantize_mxfp4(packed, scale):
     """(packed u8[..., 64], scale e8m0[..., 4]) -> f32 [..., 128] (exact)."""
-    lo, hi = packed & 15, packed >> 4
-    codes = jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (C.INDEX_DIM,))
-    v = e2m1_values(codes).reshape(packed.shape[:-1] + (C.INDEX_SCALES, C.MXFP4_BLOCK))
+    v = e2m1_values(unpack_mxfp4(packed)).reshape(packed.shape[:-1] + (C.INDEX_SCALES, C.MXFP4_BLOCK))
     return (v * e8m0_to_f32(scale)[..., None]).reshape(packed.shape[:-1] + (C.INDEX_DIM,))

@@ -235,13 +235,13 @@ DSV4_HD float QuantizeFp8Token(const float* x, int n, uint8_t* codes) {
 // ---- MXFP4 block (32 values, one e8m0 scale) ---------------------------------
 // amax = max(|x|, 6 * 2^-126) (NaN ignored), s = smallest power of two >=
 // amax / 6 (never below 2^-126, never 0xff), code = e2m1(clamp(x / s, +-6)).
-// Codes are returned one per byte (low nibble); packing is the caller's.
-// The pieces, for callers that split a block across threads (MaxF is
-// associative, so any order of the amax gives the same byte).
+// The pieces of QuantizeMxfp4Block, for callers that split a block across
+// threads (MaxF is associative, so any order of the amax gives the same byte).
 DSV4_HD float Mxfp4AmaxFloor() { return 6.f * BitsFloat(0x00800000u); }  // 6 * 2^-126
 DSV4_HD uint8_t Mxfp4ScaleByte(float amax) { return Pow2CeilE8m0(amax / kE2m1Max); }
 DSV4_HD uint8_t Mxfp4Code(float x, float s) { return F32ToE2m1(Clamp(x / s, kE2m1Max)); }
 
+// Codes are returned one per byte (low nibble); packing is the caller's.
 DSV4_HD uint8_t QuantizeMxfp4Block(const float* x, int n, uint8_t* codes) {
   float amax = Mxfp4AmaxFloor();
   for (int i = 0; i < n; ++i) amax = MaxF(amax, AbsF(x[i]));
