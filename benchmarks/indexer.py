@@ -40,14 +40,36 @@ def copy_bandwidth(nbytes=1 << 30, reps=10):
     return 2 * nbytes / min(ts)
 
 
-def make_state(B, ctx, seed=0):
+KEY_KINDS = ("quantized", "random-scales")
+
+
+def key_scales(key, shape, kind):
+    """Scale bytes [..., 4] of the keys. "quantized": those MXFP4 rounding
+    gives Gaussian keys (as after the Hadamard rotation) whose size varies by
+    2^-2 .. 2^2 from entry to entry: a block's byte is 127 + ceil(log2(amax /
+    6)) of its 32 values, so the four blocks of a key land within a byte or
+    two of each other. "random-scales": every byte drawn from 120..131 on its
+    own, which real keys do not do; it puts most tiles on the per-block path
+    of the CUDA kernel (dsv4/indexer.h, the fast form's guards)."""
+    k1, k2 = jax.random.split(key)
+    if kind == "random-scales":
+        return jax.random.randint(k1, shape, 120, 132, jnp.int32).astype(jnp.uint8)
+    size = jnp.exp2(jax.random.uniform(k1, shape[:-1] + (1,), jnp.float32, -2.0, 2.0))
+    amax = jnp.zeros(shape, jnp.float32)
+    for _ in range(32):    # a running max keeps the temporaries at the pool's size
+        k2, k = jax.random.split(k2)
+        amax = jnp.maximum(amax, jnp.abs(jax.random.normal(k, shape, jnp.float32)))
+    return (127 + jnp.ceil(jnp.log2(amax * size / 6))).astype(jnp.uint8)
+
+
+def make_state(B, ctx, seed=0, keys="quantized"):
     cfg = D.CacheConfig.tiny(max_requests=B, max_context=ctx)
     st = D.init_state(cfg)
     Lc, N = st.csa.index.packed.shape[:2]
     key = jax.random.PRNGKey(seed)
     k1, k2, k3 = jax.random.split(key, 3)
     packed = jax.random.bits(k1, (Lc, N, 32, 64), jnp.uint8)
-    scale = jax.random.randint(k2, (Lc, N, 32, 4), 120, 132, jnp.int32).astype(jnp.uint8)
+    scale = jax.jit(key_scales, static_argnums=(1, 2))(k2, (Lc, N, 32, 4), keys)
     scale = jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu)
     MB = cfg.max_blocks_per_request
     bt = jax.random.permutation(k3, N)[:B * MB].reshape(B, MB).astype(jnp.int32)
@@ -55,8 +77,9 @@ def make_state(B, ctx, seed=0):
     return dataclasses.replace(st, block_table=bt, csa=csa)
 
 
-def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"):
-    st = make_state(B, ctx)
+def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16",
+          keys="quantized"):
+    st = make_state(B, ctx, keys=keys)
     rng = np.random.default_rng(1)
     slot = jnp.arange(B, dtype=jnp.int32)
     pos = jnp.full((B,), ctx - 1, jnp.int32)
@@ -84,7 +107,7 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"
     floor_bytes_us = nbytes / bw * 1e6
     floor_ops_us = B * entries * 8192 * 2 / lane_rate * 1e6
     del st
-    return dict(B=B, context=ctx, k=k, q_format=q_format, us=us, bytes=nbytes, floor_bytes_us=floor_bytes_us,
+    return dict(B=B, context=ctx, k=k, q_format=q_format, keys=keys, us=us, bytes=nbytes, floor_bytes_us=floor_bytes_us,
                 ratio_bytes=us / floor_bytes_us, floor_fp32_us=floor_ops_us,
                 ratio_fp32=us / floor_ops_us)
 
@@ -100,6 +123,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--q-formats", nargs="+", default=["mxfp4", "bf16"],
                     help="indexer_topk q_format values to time")
+    ap.add_argument("--keys", nargs="+", default=["quantized"], choices=KEY_KINDS,
+                    help="key scale bytes: as MXFP4 rounding of Gaussian keys gives them "
+                         "(default), or each drawn on its own")
     ap.add_argument("--max-work", type=float, default=3e3,
                     help="skip cases with more than this many thousand entry-token scores "
                          "(B=64 at 1M context: 22 GB of tiny-preset pools, over an H100's memory "
@@ -121,14 +147,18 @@ def main():
                 print(f"skip B={B} ctx={ctx}", flush=True)
                 continue
             for fmt in args.q_formats:
-                r = bench(B, ctx, args.k, args.calls, args.repeats, bw, lane_rate, args.impl, fmt)
-                rows.append(r)
-                print(f"B={B:3d} ctx={ctx:8d} q={fmt:5s}: {r['us']:10.1f} us", flush=True)
+                for keys in args.keys:
+                    r = bench(B, ctx, args.k, args.calls, args.repeats, bw, lane_rate, args.impl,
+                              fmt, keys)
+                    rows.append(r)
+                    print(f"B={B:3d} ctx={ctx:8d} q={fmt:5s} keys={keys}: {r['us']:10.1f} us",
+                          flush=True)
     print()
-    print(f"{'B':>4} {'context':>8} {'k':>5} {'q':>5} {'us/call':>10} {'keys MB':>8} {'floor us':>9} "
-          f"{'x floor':>8} {'fp32 us':>9} {'x fp32':>7}")
+    print(f"{'B':>4} {'context':>8} {'k':>5} {'q':>5} {'keys':>13} {'us/call':>10} {'keys MB':>8} "
+          f"{'floor us':>9} {'x floor':>8} {'fp32 us':>9} {'x fp32':>7}")
     for r in rows:
-        print(f"{r['B']:4d} {r['context']:8d} {r['k']:5d} {r['q_format']:>5} {r['us']:10.1f} {r['bytes'] / 1e6:8.2f} "
+        print(f"{r['B']:4d} {r['context']:8d} {r['k']:5d} {r['q_format']:>5} {r['keys']:>13} "
+              f"{r['us']:10.1f} {r['bytes'] / 1e6:8.2f} "
               f"{r['floor_bytes_us']:9.2f} {r['ratio_bytes']:8.1f} {r['floor_fp32_us']:9.1f} "
               f"{r['ratio_fp32']:7.2f}")
     if args.json:

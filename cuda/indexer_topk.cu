@@ -30,7 +30,8 @@ namespace dsv4 {
 namespace {
 
 constexpr int kScoreThreads = 256;
-constexpr int kSelectThreads = 512;
+constexpr int kSelectThreads = 1024;
+constexpr int kRegKeys = 16;     // keys per select thread held in registers (n <= 16384)
 constexpr int kMaxK = 4096;
 constexpr int64_t kPerBlock = kBlockTokens / kCsaRatio;
 
@@ -202,37 +203,51 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
   if (b == 0) *out = IndexRankKey(score);
 }
 
-// ---- q_format "mxfp4": block sums on the int8 tensor cores --------------------
-// QuantizeQueryKernel rounds each token's q to MXFP4 once (qscratch: int8
-// codes q2[64][128] holding twice the e2m1 value, f32 factors Q[4][64]).
-// ScoreKernelMxfp4 then gives each warp tiles of 16 consecutive entries (one
-// logical block holds two tiles, so a tile needs one block-table read): per
-// 32-channel block b and 8 heads, one mma.m16n8k32 s8 x s8 -> s32 forms the
-// 16 x 8 integer block sums S exactly. Channels are permuted identically in
-// both operands (lane c of a quad holds channels 8c..8c+7 of the block,
-// which are 4 consecutive packed key bytes); an integer sum does not care.
-// The accumulator starts at 0x4B400000, so its bits read as a float are
-// 1.5 * 2^23 + S, and one fma gives u = fl(S * K) = fma(bits, K, -1.5 * 2^23 * K)
-// (exact products; valid while that constant is finite: key scale bytes 1
-// to 231, else the tile takes the subtract-then-multiply path). The head sum
-// is the balanced tree of dsv4/indexer.h: within a lane, then across the
-// quad's lanes by shuffles.
+// ---- q_format "mxfp4": dot products on the int8 tensor cores ------------------
+// QuantizeQueryKernel rounds each token's q to MXFP4 once into qscratch: the
+// int8 codes (twice the e2m1 value) as MMA B operands, the factors Q, and the
+// fast form's shifted codes and wq (dsv4/indexer.h). ScoreKernelMxfp4 gives
+// each warp tiles of 16 consecutive entries (a logical block holds two tiles,
+// so a tile needs one block-table read). With mma.m16n8k32 s8 x s8 -> s32 over
+// 8 heads at a time:
+//  - fast tiles (the token's heads and the tile's keys within the guards of
+//    the fast form): key codes shifted by their block's sk, one MMA chain
+//    over all 128 channels gives A per (entry, head); the accumulator starts
+//    at 2^23, so its bits read as a float are 2^23 + A for A >= 0 and below
+//    2^23 otherwise, and fma(max(bits, 2^23), wq, -2^23 wq) = fl(wq relu(A))
+//    in two instructions;
+//  - other tiles, per block b: S from one MMA (accumulator from 1.5 * 2^23,
+//    one fma gives u = fl(S K) while that constant is finite: key scale bytes
+//    1 to 231, else subtract then multiply), then the fma chain of d.
+// Channels are permuted identically in both operands (lane c of a quad holds
+// channels 8c..8c+7 of a block, 4 consecutive packed key bytes); an integer
+// sum does not care. Heads are placed so that lane c of a quad holds heads
+// 16c..16c+15 (n-tile j, column 2c + p: head 16c + 2j + p): levels 1-4 of the
+// head tree stay in the lane, levels 5 and 6 are two shuffles.
 constexpr int kQuantThreads = 256;                           // 32 (head, block) pairs
 constexpr int kMmaThreads = 128;
 constexpr int kMmaWarps = kMmaThreads / 32;
 constexpr int kTile = 16;                                    // entries per warp tile
-constexpr int kMaxTilesPerWarp = 16;
-constexpr uint32_t kMagicBits = 0x4B400000u;                 // 1.5 * 2^23
-constexpr float kMagic = 12582912.f;
-constexpr uint32_t kFastScaleMax = 231;
+constexpr int kMaxTilesPerWarp = 32;
+constexpr uint32_t kBlockMagicBits = 0x4B400000u;            // 1.5 * 2^23
+constexpr float kBlockMagic = 12582912.f;
+constexpr uint32_t kFastMagicBits = 0x4B000000u;             // 2^23
+constexpr float kFastMagic = 8388608.f;
+constexpr uint32_t kFmaScaleMax = 231;
+constexpr int kFragWords = kQueryCodeBytes / 16;             // uint4 per code region
 
-// qscratch of the CUDA handler: the MMA's B operands in fragment order, so a
-// lane's 8 bytes for (8 heads j, block b) are at ((j * 4 + b) * 32 + lane) * 8:
-// lane (g, c) = (lane / 4, lane % 4) holds head 8j + g, channels 32b + 8c ..
-// 32b + 8c + 7. Then the f32 factors Q[b][h].
+// The uint32 of a code region holding head h, channels 32b + 4r .. + 3: the
+// B operands of the MMA in fragment order, a uint4 per (n-tile j, block pair,
+// lane) with .xy for the even block and .zw for the odd one.
+__device__ __forceinline__ int QueryFragWord(int h, int b, int r) {
+  const int j = (h % 16) / 2, n = 2 * (h / 16) + h % 2;
+  return 4 * ((j * 2 + b / 2) * 32 + n * 4 + r / 2) + 2 * (b % 2) + r % 2;
+}
+
 // Eight lanes per (head, block), four channels each: the block's amax by
 // shuffles, then every lane codes its four values and stores them as one
-// word of the fragment. Grid (T, 8): 32 (head, block) pairs per CTA.
+// word of each code region. A warp holds one head's four blocks, so the
+// head's fast-form guards are shuffles too. Grid (T, 8).
 __global__ void __launch_bounds__(kQuantThreads) QuantizeQueryKernel(IndexerTopkArgs a) {
   const int64_t t = blockIdx.x;
   const TokenInfo ti = ReadToken(a, t);
@@ -248,38 +263,55 @@ __global__ void __launch_bounds__(kQuantThreads) QuantizeQueryKernel(IndexerTopk
   for (int v = 0; v < 4; ++v) amax = num::MaxF(amax, num::AbsF(x[v]));
 #pragma unroll
   for (int o = 1; o < 8; o <<= 1) amax = num::MaxF(amax, __shfl_xor_sync(cuda::kFull, amax, o));
-  const uint8_t sb = num::Mxfp4ScaleByte(amax);
-  const float s = num::E8m0ToF32(sb);
-  uint32_t word = 0;
+  const uint32_t sb = num::Mxfp4ScaleByte(amax);
+  const float s = num::E8m0ToF32(static_cast<uint8_t>(sb));
+  uint32_t mq = sb, maxq = sb;
 #pragma unroll
-  for (int v = 0; v < 4; ++v)
-    word |= static_cast<uint32_t>(static_cast<uint8_t>(E2m1Twice(num::Mxfp4Code(x[v], s))))
-            << (8 * v);
+  for (int o = 8; o < 32; o <<= 1) {
+    mq = min(mq, __shfl_xor_sync(cuda::kFull, mq, o));
+    maxq = max(maxq, __shfl_xor_sync(cuda::kFull, maxq, o));
+  }
+  const float wq = IndexQueryFastWeight(mq, maxq, a.weights[t * kIndexHeads + h]);
+  const int sq = num::IsNan(wq) ? 0 : static_cast<int>(sb - mq);
+  uint32_t word = 0, shifted = 0;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const int code = E2m1Twice(num::Mxfp4Code(x[v], s));
+    word |= static_cast<uint32_t>(static_cast<uint8_t>(code)) << (8 * v);
+    shifted |= static_cast<uint32_t>(static_cast<uint8_t>(code * (1 << sq))) << (8 * v);
+  }
   uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
-  // channels 32b + 4r .. +3: half r % 2 of lane (h % 8, r / 2)'s 8 bytes
-  uint32_t* frag = reinterpret_cast<uint32_t*>(qs) +
-                   2 * (((h / 8) * kIndexScales + b) * 32 + (h % 8) * 4 + r / 2) + r % 2;
-  *frag = word;
-  if (r == 0) reinterpret_cast<float*>(qs + kQueryCodeBytes)[b * kIndexHeads + h] = IndexQueryFactor(sb);
+  const int at = QueryFragWord(h, b, r);
+  reinterpret_cast<uint32_t*>(qs)[at] = word;
+  reinterpret_cast<uint32_t*>(qs + kQueryShiftedOffset)[at] = shifted;
+  if (r == 0) reinterpret_cast<float*>(qs + kQueryFactorOffset)[b * kIndexHeads + h] = IndexQueryFactor(sb);
+  if ((threadIdx.x & 31) == 0) reinterpret_cast<float*>(qs + kQueryWqOffset)[h] = wq;
 }
 
-// Four e2m1 codes (the low 16 bits, code k in bits 4k..4k+3) -> four int8
-// holding twice their values: magnitudes and negated magnitudes by byte
-// permutes of two 8-entry tables, then a permute picks by the sign bit.
-__device__ __forceinline__ uint32_t E2m1x4ToInt8x4(uint32_t nib) {
-  const uint32_t sel = nib & 0x7777u;
-  const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, sel);   // 0 1 2 3 | 4 6 8 12
-  const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, sel);   // negated
-  return __byte_perm(pos, neg, 0x3210u | ((nib & 0x8888u) >> 1));
+// Eight e2m1 codes (code k in bits 4k..4k+3) -> eight int8 holding twice
+// their values times 2^shift (shift <= 3: |value| <= 96), as two words (codes
+// 0-3, codes 4-7). Magnitudes by a byte permute of an 8-entry table, shifted
+// (no byte overflows), negated bytewise ((0x80 - m) ^ 0x80 = -m mod 256, no
+// borrow for m <= 0x80), then a permute picks by the sign bit.
+__device__ __forceinline__ void E2m1x8ToInt8(uint32_t w, uint32_t shift, uint32_t* lo,
+                                             uint32_t* hi) {
+  const uint32_t sel = w & 0x77777777u;
+  const uint32_t pick = ((w >> 1) & 0x44444444u) | 0x32103210u;   // +4: the negated word
+  const uint32_t pl = __byte_perm(0x03020100u, 0x0C080604u, sel) << shift;   // 0 1 2 3 | 4 6 8 12
+  const uint32_t ph = __byte_perm(0x03020100u, 0x0C080604u, sel >> 16) << shift;
+  const uint32_t nl = (0x80808080u - pl) ^ 0x80808080u, nh = (0x80808080u - ph) ^ 0x80808080u;
+  *lo = __byte_perm(pl, nl, pick);
+  *hi = __byte_perm(ph, nh, pick >> 16);
 }
 
-__device__ __forceinline__ void MmaS8(uint32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                      uint32_t a3, uint32_t b0, uint32_t b1) {
-  const uint32_t c = kMagicBits;
+// d = A * B + C, C given as four words (s32, or the bits of a magic start).
+__device__ __forceinline__ void MmaS8(uint32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                      uint32_t b1, const uint32_t (&c)[4]) {
   asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%10,%10,%10,%10};"
+      "{%8,%9}, {%10,%11,%12,%13};"
       : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]),
+        "r"(c[2]), "r"(c[3]));
 }
 
 // d > 0 ? d : 0 (NaN -> 0) in one instruction. fmaxf may return -0 for
@@ -287,63 +319,97 @@ __device__ __forceinline__ void MmaS8(uint32_t (&d)[4], uint32_t a0, uint32_t a1
 // rank key treats -0 as +0, so the keys equal the definition's.
 __device__ __forceinline__ float Relu(float d) { return fmaxf(d, 0.f); }
 
-// Levels 2..6 of the head tree. p[j] (level 1) holds heads 8j+2c, 8j+2c+1
-// of lane c of the quad; every lane of the quad returns the full sum.
-__device__ __forceinline__ float QuadHeadTree(const float (&p)[8], int c) {
-  const bool odd = c & 1, high = c & 2;
-  float l2[4], l3[2];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {      // heads 4i..4i+3: lanes c, c^1; keep j = 2k + (c & 1)
-    const float mine = odd ? p[2 * k + 1] : p[2 * k], send = odd ? p[2 * k] : p[2 * k + 1];
-    l2[k] = mine + __shfl_xor_sync(cuda::kFull, send, 1);
-  }
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {      // heads 8j..8j+7: lanes c, c^2; keep j = 4m + c
-    const float mine = high ? l2[2 * m + 1] : l2[2 * m], send = high ? l2[2 * m] : l2[2 * m + 1];
-    l3[m] = mine + __shfl_xor_sync(cuda::kFull, send, 2);
-  }
-#pragma unroll
-  for (int m = 0; m < 2; ++m) l3[m] = l3[m] + __shfl_xor_sync(cuda::kFull, l3[m], 1);  // 16 heads
-#pragma unroll
-  for (int m = 0; m < 2; ++m) l3[m] = l3[m] + __shfl_xor_sync(cuda::kFull, l3[m], 2);  // 32 heads
-  return l3[0] + l3[1];
+// Levels 2..6 of the head tree from level 1: p[j] = heads 16c + 2j, +1 of
+// lane c of the quad. a + b == b + a in IEEE arithmetic, so every lane of the
+// quad returns the full sum.
+__device__ __forceinline__ float LaneHeadTree(const float (&p)[8]) {
+  const float l4 = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+  const float l5 = l4 + __shfl_xor_sync(cuda::kFull, l4, 1);
+  return l5 + __shfl_xor_sync(cuda::kFull, l5, 2);
 }
 
-// Scores of the tile's entries g and g + 8 (this lane's rows).
-template <bool kFast>
-__device__ __forceinline__ void ScoreTileMxfp4(const uint2* bfrag,
-                                               const float2 (*qf_s)[kIndexHeads / 2],
-                                               const float2* w_s, const uint32_t (&kg)[4],
-                                               const uint32_t (&kh)[4], uint32_t sg, uint32_t sh,
-                                               int c, float* score_g, float* score_h) {
+// Key bytes of one tile for this lane (rows g and g + 8, channels 8c.. of
+// each block) and their scale words.
+struct TileKeys {
+  uint32_t kg[4], kh[4], sg, sh;
+};
+
+// Fast form: level-1 head sums of rows g (pg) and g + 8 (ph), before the
+// factor Kf. wq[j] = (wq, wq, -2^23 wq, -2^23 wq) of heads 16c + 2j, +1.
+__device__ __forceinline__ void FastTileSums(const uint4* bfrag, const float4* wq,
+                                             const TileKeys& k,
+                                             uint32_t shift_g, uint32_t shift_h, float (&pg)[8],
+                                             float (&ph)[8]) {
+  uint32_t acc[8][4];
+#pragma unroll
+  for (int bp = 0; bp < 2; ++bp) {
+    uint32_t a[2][4];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int b = 2 * bp + e;
+      E2m1x8ToInt8(k.kg[b], (shift_g >> (8 * b)) & 255u, &a[e][0], &a[e][2]);
+      E2m1x8ToInt8(k.kh[b], (shift_h >> (8 * b)) & 255u, &a[e][1], &a[e][3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint4 bq = bfrag[(j * 2 + bp) * 32];
+      if (bp == 0) {
+        const uint32_t start[4] = {kFastMagicBits, kFastMagicBits, kFastMagicBits, kFastMagicBits};
+        MmaS8(acc[j], a[0], bq.x, bq.y, start);
+      } else {
+        MmaS8(acc[j], a[0], bq.x, bq.y, acc[j]);
+      }
+      MmaS8(acc[j], a[1], bq.z, bq.w, acc[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float m = kFastMagic;
+    const float4 f = wq[j];
+    pg[j] = fmaf(fmaxf(__uint_as_float(acc[j][0]), m), f.x, f.z) +
+            fmaf(fmaxf(__uint_as_float(acc[j][1]), m), f.y, f.w);
+    ph[j] = fmaf(fmaxf(__uint_as_float(acc[j][2]), m), f.x, f.z) +
+            fmaf(fmaxf(__uint_as_float(acc[j][3]), m), f.y, f.w);
+  }
+}
+
+// Per-block form: level-1 head sums of rows g and g + 8 (the definition's
+// order). bfrag: the unshifted codes (global memory: rare tiles only).
+template <bool kFmaScale>
+__device__ __forceinline__ void BlockTileSums(const uint4* bfrag,
+                                              const float2 (*qf_s)[kIndexHeads / 2],
+                                              const float2* w_s, const TileKeys& k, int c,
+                                              float (&pg)[8], float (&ph)[8]) {
   float acc[8][4];
 #pragma unroll
   for (int b = 0; b < kIndexScales; ++b) {
-    const uint32_t a0 = E2m1x4ToInt8x4(kg[b] & 0xffffu), a2 = E2m1x4ToInt8x4(kg[b] >> 16);
-    const uint32_t a1 = E2m1x4ToInt8x4(kh[b] & 0xffffu), a3 = E2m1x4ToInt8x4(kh[b] >> 16);
-    // fast tiles hold scale bytes 1..231: 2^(byte - 127) is the byte as an exponent
-    const float Kg = kFast ? __uint_as_float(((sg >> (8 * b)) & 255u) << 23)
-                           : num::E8m0ToF32(static_cast<uint8_t>(sg >> (8 * b)));
-    const float Kh = kFast ? __uint_as_float(((sh >> (8 * b)) & 255u) << 23)
-                           : num::E8m0ToF32(static_cast<uint8_t>(sh >> (8 * b)));
-    const float MKg = -kMagic * Kg, MKh = -kMagic * Kh;
+    uint32_t a[4];
+    E2m1x8ToInt8(k.kg[b], 0, &a[0], &a[2]);
+    E2m1x8ToInt8(k.kh[b], 0, &a[1], &a[3]);
+    // scale bytes 1..231: 2^(byte - 127) is the byte as an exponent
+    const float Kg = kFmaScale ? __uint_as_float(((k.sg >> (8 * b)) & 255u) << 23)
+                               : num::E8m0ToF32(static_cast<uint8_t>(k.sg >> (8 * b)));
+    const float Kh = kFmaScale ? __uint_as_float(((k.sh >> (8 * b)) & 255u) << 23)
+                               : num::E8m0ToF32(static_cast<uint8_t>(k.sh >> (8 * b)));
+    const float MKg = -kBlockMagic * Kg, MKh = -kBlockMagic * Kh;
+    const uint32_t start[4] = {kBlockMagicBits, kBlockMagicBits, kBlockMagicBits, kBlockMagicBits};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       uint32_t d[4];
-      const uint2 bq = bfrag[(j * kIndexScales + b) * 32];
-      MmaS8(d, a0, a1, a2, a3, bq.x, bq.y);
-      const float2 Q = qf_s[b][4 * j + c];
+      const uint4 bq = __ldg(bfrag + (j * 2 + b / 2) * 32);
+      MmaS8(d, a, b % 2 ? bq.z : bq.x, b % 2 ? bq.w : bq.y, start);
+      const float2 Q = qf_s[b][8 * c + j];
       float u[4];
-      if (kFast) {
+      if (kFmaScale) {
         u[0] = fmaf(__uint_as_float(d[0]), Kg, MKg);
         u[1] = fmaf(__uint_as_float(d[1]), Kg, MKg);
         u[2] = fmaf(__uint_as_float(d[2]), Kh, MKh);
         u[3] = fmaf(__uint_as_float(d[3]), Kh, MKh);
       } else {
-        u[0] = (__uint_as_float(d[0]) - kMagic) * Kg;
-        u[1] = (__uint_as_float(d[1]) - kMagic) * Kg;
-        u[2] = (__uint_as_float(d[2]) - kMagic) * Kh;
-        u[3] = (__uint_as_float(d[3]) - kMagic) * Kh;
+        u[0] = (__uint_as_float(d[0]) - kBlockMagic) * Kg;
+        u[1] = (__uint_as_float(d[1]) - kBlockMagic) * Kg;
+        u[2] = (__uint_as_float(d[2]) - kBlockMagic) * Kh;
+        u[3] = (__uint_as_float(d[3]) - kBlockMagic) * Kh;
       }
       if (b == 0) {
         acc[j][0] = u[0] * Q.x;
@@ -358,103 +424,167 @@ __device__ __forceinline__ void ScoreTileMxfp4(const uint2* bfrag,
       }
     }
   }
-  float pg[8], ph[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {      // level 1: heads 8j+2c and 8j+2c+1
-    const float2 w = w_s[4 * j + c];
+  for (int j = 0; j < 8; ++j) {
+    const float2 w = w_s[8 * c + j];
     pg[j] = w.x * Relu(acc[j][0]) + w.y * Relu(acc[j][1]);
     ph[j] = w.x * Relu(acc[j][2]) + w.y * Relu(acc[j][3]);
   }
-  *score_g = QuadHeadTree(pg, c);
-  *score_h = QuadHeadTree(ph, c);
 }
 
-// Every scale byte of the word in [1, kFastScaleMax] (byte - 1 <= max - 1,
+// Every scale byte of the word in [1, kFmaScaleMax] (byte - 1 <= max - 1,
 // four bytes at once).
-__device__ __forceinline__ bool FastScales(uint32_t s) {
-  return __vcmpleu4(__vsub4(s, 0x01010101u), (kFastScaleMax - 1) * 0x01010101u) == 0xffffffffu;
+__device__ __forceinline__ bool FmaScales(uint32_t s) {
+  return __vcmpleu4(__vsub4(s, 0x01010101u), (kFmaScaleMax - 1) * 0x01010101u) == 0xffffffffu;
 }
 
-// Key bytes of one tile for this lane (rows g and g + 8, channels 8c.. of
-// each block) and their scale words; false for a missing block (no loads).
-struct TileKeys {
-  uint32_t kg[4], kh[4], sg, sh;
-};
+// ---- key tiles: a cp.async ring per warp ----
+// A tile in shared memory: 16 packed keys (64 bytes each, their four 16-byte
+// block chunks swizzled so that the 32 lanes' 4-byte reads of one block hit
+// 32 banks), then the 16 scale words.
+constexpr int kStages = 4;                                   // tiles in flight per warp
+constexpr int kTileWords = kTile * (kIndexPacked + kIndexScales) / 4;   // 272
 
-__device__ __forceinline__ bool LoadTileKeys(const IndexerTopkArgs& a, int64_t l, int32_t block,
-                                             int64_t e0, int g, int c, TileKeys* k) {
-  if (block < 0 || block >= a.N) return false;
-  const int64_t row_g = (l * a.N + block) * kPerBlock + e0 % kPerBlock + g;
-  const uint32_t* pg = reinterpret_cast<const uint32_t*>(a.packed + row_g * kIndexPacked);
-  const uint32_t* ph = pg + 8 * kIndexPacked / 4;
+__device__ __forceinline__ int SwizzledChunk(int row, int b) { return b ^ ((row >> 1) & 3); }
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// Starts the copy of one tile (entries e0 .. e0 + 15 of a logical block) into
+// `stage`; nothing for a missing block. Lane L copies chunks L and L + 32 of
+// the 64 key chunks, lanes 0-3 the 64 scale bytes.
+__device__ __forceinline__ void IssueTile(const IndexerTopkArgs& a, int64_t l, int32_t block,
+                                          int64_t e0, int lane, uint32_t* stage) {
+  if (block < 0 || block >= a.N) return;
+  const int64_t row0 = (l * a.N + block) * kPerBlock + e0 % kPerBlock;
+  const uint8_t* src = a.packed + row0 * kIndexPacked;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int chunk = lane + 32 * h, row = chunk / 4, b = chunk % 4;
+    CpAsync16(stage + row * 16 + SwizzledChunk(row, b) * 4, src + chunk * 16);
+  }
+  if (lane < 4) CpAsync16(stage + kTile * 16 + lane * 4, a.scale + row0 * kIndexScales + lane * 16);
+}
+
+// This lane's part of a landed tile: rows g and g + 8, channels 8c.. of each block.
+__device__ __forceinline__ void ReadTile(const uint32_t* stage, int g, int c, TileKeys* k) {
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
-    k->kg[b] = __ldg(pg + 4 * b + c);
-    k->kh[b] = __ldg(ph + 4 * b + c);
+    k->kg[b] = stage[g * 16 + SwizzledChunk(g, b) * 4 + c];
+    k->kh[b] = stage[(g + 8) * 16 + SwizzledChunk(g + 8, b) * 4 + c];
   }
-  k->sg = __ldg(reinterpret_cast<const uint32_t*>(a.scale + row_g * kIndexScales));
-  k->sh = __ldg(reinterpret_cast<const uint32_t*>(a.scale + (row_g + 8) * kIndexScales));
-  return true;
+  k->sg = stage[kTile * 16 + g];
+  k->sh = stage[kTile * 16 + g + 8];
 }
 
 // One CTA: one token, kMmaWarps * tiles_per_warp * 16 consecutive entries;
-// warp w takes tiles w, w + 4, ...; the next tile's keys are loaded while
-// the current one is scored.
-__global__ void __launch_bounds__(kMmaThreads, 4) ScoreKernelMxfp4(IndexerTopkArgs a,
-                                                                   int tiles_per_warp) {
-  __shared__ uint2 bfrag_s[kQueryCodeBytes / 8];            // B operands, fragment order
+// warp w takes tiles w, w + 4, ..., keeping kStages - 1 of them in flight.
+// kMinCtas: resident CTAs per multiprocessor the registers are capped for.
+template <int kMinCtas>
+__global__ void __launch_bounds__(kMmaThreads, kMinCtas) ScoreKernelMxfp4(IndexerTopkArgs a,
+                                                                          int tiles_per_warp) {
+  __shared__ uint4 bfrag_s[kFragWords];                    // shifted codes, fragment order
   __shared__ float2 qf_s[kIndexScales][kIndexHeads / 2];   // Q[b][h], two heads a float2
   __shared__ float2 w_s[kIndexHeads / 2];
+  __shared__ float4 wq_s[kIndexHeads / 2];                 // wq, -2^23 wq of two heads
   __shared__ int32_t blocks_s[kMmaWarps * kMaxTilesPerWarp * kTile / kPerBlock];
+  __shared__ __align__(16) uint32_t ring_s[kMmaWarps][kStages][kTileWords];
   const int64_t t = blockIdx.x;
   const TokenInfo ti = ReadToken(a, t);
   const int64_t span = static_cast<int64_t>(kMmaWarps) * tiles_per_warp * kTile;
   const int64_t first = static_cast<int64_t>(blockIdx.y) * span;
   if (!ti.ok || first >= ti.n) return;
   const uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
-  const uint4* src = reinterpret_cast<const uint4*>(qs);
-  for (int i = threadIdx.x; i < kQueryCodeBytes / 16; i += kMmaThreads)
-    reinterpret_cast<uint4*>(bfrag_s)[i] = src[i];
-  const float* qfg = reinterpret_cast<const float*>(qs + kQueryCodeBytes);
+  const uint4* shifted = reinterpret_cast<const uint4*>(qs + kQueryShiftedOffset);
+  for (int i = threadIdx.x; i < kFragWords; i += kMmaThreads) bfrag_s[i] = shifted[i];
+  const float* qfg = reinterpret_cast<const float*>(qs + kQueryFactorOffset);
   for (int i = threadIdx.x; i < kIndexScales * kIndexHeads; i += kMmaThreads)
     (&qf_s[0][0].x)[i] = qfg[i];
-  if (threadIdx.x < kIndexHeads) (&w_s[0].x)[threadIdx.x] = a.weights[t * kIndexHeads + threadIdx.x];
+  bool head_fast = true;
+  if (threadIdx.x < kIndexHeads) {
+    (&w_s[0].x)[threadIdx.x] = a.weights[t * kIndexHeads + threadIdx.x];
+    const float wq = reinterpret_cast<const float*>(qs + kQueryWqOffset)[threadIdx.x];
+    float* pair = &wq_s[threadIdx.x / 2].x + threadIdx.x % 2;
+    pair[0] = wq;
+    pair[2] = -kFastMagic * wq;
+    head_fast = !num::IsNan(wq);
+  }
   if (threadIdx.x < span / kPerBlock) {
     const int64_t j = first / kPerBlock + threadIdx.x;
     blocks_s[threadIdx.x] = j < a.MB ? a.block_table[ti.slot * a.MB + j] : -1;
   }
-  __syncthreads();
+  const bool token_fast = __syncthreads_and(head_fast);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  const uint2* bfrag = bfrag_s + lane;
+  const uint4* bfrag = bfrag_s + lane;
+  const uint4* bfrag_block = reinterpret_cast<const uint4*>(qs) + lane;
   uint32_t* keys = a.scratch + t * a.E;
   const int64_t l = *a.layer;
   const int64_t stride = static_cast<int64_t>(kMmaWarps) * kTile;
-  int64_t e0 = first + warp * kTile;
-  TileKeys cur, next;
-  bool cur_ok = e0 < ti.n && LoadTileKeys(a, l, blocks_s[(e0 - first) / kPerBlock], e0, g, c, &cur);
-  for (int it = 0; it < tiles_per_warp && e0 < ti.n; ++it, e0 += stride) {   // uniform per warp
-    const int64_t e1 = e0 + stride;
-    const bool next_ok = it + 1 < tiles_per_warp && e1 < ti.n &&
-                         LoadTileKeys(a, l, blocks_s[(e1 - first) / kPerBlock], e1, g, c, &next);
-    if (!cur_ok) {
+  const int64_t e_first = first + warp * kTile;
+  int tiles = 0;                                           // this warp's tiles below n
+  while (tiles < tiles_per_warp && e_first + tiles * stride < ti.n) ++tiles;
+  auto issue = [&](int it) {
+    if (it < tiles) {
+      const int64_t e = e_first + it * stride;
+      IssueTile(a, l, blocks_s[(e - first) / kPerBlock], e, lane, ring_s[warp][it % kStages]);
+    }
+    CpAsyncCommit();                                       // empty groups keep the count
+  };
+#pragma unroll
+  for (int it = 0; it < kStages - 1; ++it) issue(it);
+  for (int it = 0; it < tiles; ++it) {                     // uniform per warp
+    issue(it + kStages - 1);
+    CpAsyncWait<kStages - 1>();
+    __syncwarp();
+    const int64_t e0 = e_first + it * stride;
+    const int32_t block = blocks_s[(e0 - first) / kPerBlock];
+    if (block < 0 || block >= a.N) {
       if (lane < kTile && e0 + lane < ti.n) keys[e0 + lane] = 0;
     } else {
-      float score_g, score_h;
-      if (__all_sync(cuda::kFull, FastScales(cur.sg) && FastScales(cur.sh)))
-        ScoreTileMxfp4<true>(bfrag, qf_s, w_s, cur.kg, cur.kh, cur.sg, cur.sh, c, &score_g, &score_h);
-      else
-        ScoreTileMxfp4<false>(bfrag, qf_s, w_s, cur.kg, cur.kh, cur.sg, cur.sh, c, &score_g, &score_h);
+      TileKeys cur;
+      ReadTile(ring_s[warp][it % kStages], g, c, &cur);
+      float pg[8], ph[8], kfg = 1.f, kfh = 1.f;
+      uint32_t shift_g, shift_h;
+      const bool fast = IndexKeyFast(cur.sg, &shift_g, &kfg) & IndexKeyFast(cur.sh, &shift_h, &kfh);
+      if (token_fast && __all_sync(cuda::kFull, fast)) {
+        FastTileSums(bfrag, wq_s + 8 * c, cur, shift_g, shift_h, pg, ph);
+      } else {
+        kfg = kfh = 1.f;
+        if (__all_sync(cuda::kFull, FmaScales(cur.sg) && FmaScales(cur.sh)))
+          BlockTileSums<true>(bfrag_block, qf_s, w_s, cur, c, pg, ph);
+        else
+          BlockTileSums<false>(bfrag_block, qf_s, w_s, cur, c, pg, ph);
+      }
+      const float score_g = kfg * LaneHeadTree(pg), score_h = kfh * LaneHeadTree(ph);
       if (c == 0 && e0 + g < ti.n) keys[e0 + g] = IndexRankKey(score_g);
       if (c == 1 && e0 + g + 8 < ti.n) keys[e0 + g + 8] = IndexRankKey(score_h);
     }
-    cur = next;
-    cur_ok = next_ok;
+    __syncwarp();                                          // the stage is free for its next tile
   }
+  CpAsyncWait<0>();
 }
 
-// Tiles per warp: enough CTAs for about four per multiprocessor, at most
-// kMaxTilesPerWarp (each CTA first loads the token's 9 KB of q operands).
+// Resident score CTAs per multiprocessor: 3 (167 registers, no spills) by
+// default; DSV4_INDEXER_SCORE_CTAS=4 caps registers at 128 (read once, for
+// benchmarks).
+int ScoreCtasPerSm() {
+  static const int n = [] {
+    const char* v = std::getenv("DSV4_INDEXER_SCORE_CTAS");
+    return v && std::atoi(v) == 4 ? 4 : 3;
+  }();
+  return n;
+}
+
+// Tiles per warp: about one wave of resident CTAs, at most kMaxTilesPerWarp
+// (each CTA first loads the token's 8 KB of q operands).
 // DSV4_INDEXER_TILES=n (read once) fixes it, for benchmarks.
 int TilesPerWarp(int64_t T, int64_t E) {
   static const int forced = [] {
@@ -463,7 +593,8 @@ int TilesPerWarp(int64_t T, int64_t E) {
     return n >= 1 && n <= kMaxTilesPerWarp ? n : 0;
   }();
   if (forced) return forced;
-  const int64_t per_tile_cta = static_cast<int64_t>(kTile) * kMmaWarps * cuda::SmCount() * 4;
+  const int64_t per_tile_cta =
+      static_cast<int64_t>(kTile) * kMmaWarps * cuda::SmCount() * ScoreCtasPerSm();
   const int64_t tpw = T * E / per_tile_cta;
   return static_cast<int>(tpw < 1 ? 1 : tpw > kMaxTilesPerWarp ? kMaxTilesPerWarp : tpw);
 }
@@ -492,28 +623,87 @@ __device__ int BlockExclusiveScan(int x, int* warp_sums, int* total) {
   return before + v - x;
 }
 
-// f(key) for keys[tid], keys[tid + kSelectThreads], ... below n; eight loads
-// are issued before their uses, so a pass is not one L2 round trip per key.
-template <typename F>
-__device__ __forceinline__ void ForEachKey(const uint32_t* keys, int64_t n, F f) {
-  constexpr int kUnroll = 8;
-  int64_t i = threadIdx.x;
-  for (; i + (kUnroll - 1) * kSelectThreads < n; i += kUnroll * kSelectThreads) {
-    uint32_t k[kUnroll];
+// One token's rank keys as the select reads them: held in registers (16 a
+// thread, key tid + u * kSelectThreads in r[u]) when n <= kRegKeys *
+// kSelectThreads, so every pass after the first load costs no memory
+// traffic; else read from the scratch row on each pass.
+struct TokenKeys {
+  const uint32_t* keys;
+  int64_t n;
+  bool in_regs;
+  uint32_t r[kRegKeys];
+
+  __device__ TokenKeys(const uint32_t* k, int64_t count)
+      : keys(k), n(count), in_regs(count <= kRegKeys * kSelectThreads) {
+    if (in_regs) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) k[u] = keys[i + u * kSelectThreads];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) f(k[u]);
+      for (int u = 0; u < kRegKeys; ++u) {
+        const int64_t i = threadIdx.x + u * kSelectThreads;
+        r[u] = i < n ? keys[i] : 0u;
+      }
+    }
   }
-  for (; i < n; i += kSelectThreads) f(keys[i]);
+
+  // f(key, index) for every key of this thread (0 keys included: callers skip
+  // them); from memory, eight loads are issued before their uses.
+  template <typename F>
+  __device__ __forceinline__ void ForEach(F f) const {
+    if (in_regs) {
+#pragma unroll
+      for (int u = 0; u < kRegKeys; ++u) f(r[u], threadIdx.x + u * kSelectThreads);
+      return;
+    }
+    constexpr int kUnroll = 8;
+    int64_t i = threadIdx.x;
+    for (; i + (kUnroll - 1) * kSelectThreads < n; i += kUnroll * kSelectThreads) {
+      uint32_t k[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) k[u] = keys[i + u * kSelectThreads];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) f(k[u], i + u * kSelectThreads);
+    }
+    for (; i < n; i += kSelectThreads) f(keys[i], i);
+  }
+};
+
+// Composite sort key: rank key above, then the lower index first.
+__device__ __forceinline__ unsigned long long Composite(uint32_t key, int64_t i) {
+  return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
+}
+
+// Bitonic sort (descending) of kp <= kSelectThreads composites, one per
+// thread in a register: partner exchanges by shuffles within a warp and
+// through shared memory (two alternating buffers of kp; the first may be
+// where v came from: each thread read its own slot) across warps.
+__device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
+                                               unsigned long long* buf) {
+  const int tid = threadIdx.x;
+  int parity = 0;
+  for (int size = 2; size <= kp; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      unsigned long long p;
+      if (stride >= 32) {
+        unsigned long long* b = buf + parity * kp;
+        parity ^= 1;
+        if (tid < kp) b[tid] = v;
+        __syncthreads();
+        p = tid < kp ? b[tid ^ stride] : 0ull;
+      } else {
+        p = __shfl_xor_sync(cuda::kFull, v, stride);
+      }
+      const bool desc = (tid & size) == 0, lower = (tid & stride) == 0;
+      v = desc == lower ? (v > p ? v : p) : (v < p ? v : p);
+    }
+  }
+  return v;
 }
 
 __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a, int kp) {
-  extern __shared__ unsigned long long sel[];   // kp composite keys
+  extern __shared__ unsigned long long sel[];   // kp composite keys (2 kp when kp <= threads)
   __shared__ int hist[256];
   __shared__ int warp_sums[kSelectThreads / 32];
   __shared__ uint32_t s_prefix, s_need, s_ncand;
-  __shared__ int s_gt;
+  __shared__ int s_gt, s_eq;
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x;
   const int64_t l = *a.layer;
@@ -535,7 +725,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     const int64_t b = a.block_table[ti.slot * a.MB + j];
     if (b < 0 || b >= a.N) atomicAdd(&a.errors[kMissingBlock], 1);
   }
-  const uint32_t* keys = a.scratch + t * a.E;
+  const TokenKeys keys(a.scratch + t * a.E, n);
 
   // ---- range and count of the candidate keys (one pass, no atomics) ----
   // Scores of one token are of similar size, so their rank keys share the
@@ -544,7 +734,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   // the highest bit where the smallest and largest keys differ instead.
   uint32_t lo = 0xffffffffu, hi = 0;
   int cnt = 0;
-  ForEachKey(keys, n, [&](uint32_t key) {
+  keys.ForEach([&](uint32_t key, int64_t) {
     if (key != 0) {
       lo = min(lo, key);
       hi = max(hi, key);
@@ -591,7 +781,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
       const int shift = top + 1 - width;
       for (int b = tid; b < 256; b += kSelectThreads) hist[b] = 0;
       __syncthreads();
-      ForEachKey(keys, n, [&](uint32_t key) {
+      keys.ForEach([&](uint32_t key, int64_t) {
         if (key != 0 && (key & mask) == prefix)
           atomicAdd(&hist[(key >> shift) & ((1u << width) - 1u)], 1);
       });
@@ -638,28 +828,46 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   const int64_t m = ncand < static_cast<uint32_t>(a.K) ? ncand : a.K;
   const int64_t n_gt = m - need;   // keys above thr (all of them)
 
-  // ---- collect: all keys > thr in any order, the first `need` keys == thr ----
+  // ---- collect: every key > thr, and every key == thr while they fit (the
+  // sort then puts the lowest indices first); in any order, one pass ----
   for (int r = tid; r < kp; r += kSelectThreads) sel[r] = 0ull;
-  if (tid == 0) s_gt = 0;
+  if (tid == 0) s_gt = s_eq = 0;
   __syncthreads();
-  int taken_eq = 0;
-  for (int64_t start = 0; start < n; start += kSelectThreads) {
-    const int64_t i = start + tid;
-    const uint32_t key = i < n ? keys[i] : 0u;
-    const unsigned long long comp =
-        (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
-    if (key != 0 && key > thr) sel[atomicAdd(&s_gt, 1)] = comp;
-    if (need > 0 && static_cast<uint32_t>(taken_eq) < need) {   // uniform across the block
+  keys.ForEach([&](uint32_t key, int64_t i) {
+    if (key == 0 || key < thr) return;
+    if (key > thr) {
+      sel[atomicAdd(&s_gt, 1)] = Composite(key, i);
+    } else if (need > 0) {
+      const int e = atomicAdd(&s_eq, 1);
+      if (n_gt + e < kp) sel[n_gt + e] = Composite(key, i);
+    }
+  });
+  __syncthreads();
+  if (need > 0 && n_gt + s_eq > kp) {
+    // more ties at thr than room: the first `need` by index, in index order
+    for (int r = n_gt + tid; r < kp; r += kSelectThreads) sel[r] = 0ull;
+    __syncthreads();
+    int taken_eq = 0;
+    for (int64_t start = 0; start < n && static_cast<uint32_t>(taken_eq) < need;
+         start += kSelectThreads) {                          // uniform across the block
+      const int64_t i = start + tid;
+      const uint32_t key = i < n ? a.scratch[t * a.E + i] : 0u;
       const int eq = (key != 0 && key == thr) ? 1 : 0;
       int total;
       const int rank = taken_eq + BlockExclusiveScan(eq, warp_sums, &total);
-      if (eq && static_cast<uint32_t>(rank) < need) sel[n_gt + rank] = comp;
+      if (eq && static_cast<uint32_t>(rank) < need) sel[n_gt + rank] = Composite(key, i);
       taken_eq += total;
     }
+    __syncthreads();
   }
-  __syncthreads();
 
-  // ---- bitonic sort, descending ----
+  // ---- sort, descending ----
+  if (kp <= kSelectThreads) {
+    const unsigned long long v = SortOnePerThread(tid < kp ? sel[tid] : 0ull, kp, sel);
+    if (tid < a.K)
+      out[tid] = tid < m ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(v)) : -1;
+    return;
+  }
   for (int size = 2; size <= kp; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       for (int x = tid; x < kp; x += kSelectThreads) {
@@ -727,8 +935,11 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
       QuantizeQueryKernel<<<dim3(static_cast<unsigned>(a.T), kIndexHeads * kIndexScales * 8 /
                                                                   kQuantThreads),
                             kQuantThreads, 0, stream>>>(a);
-      ScoreKernelMxfp4<<<dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas)),
-                         kMmaThreads, 0, stream>>>(a, tpw);
+      const dim3 grid(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas));
+      if (ScoreCtasPerSm() == 4)
+        ScoreKernelMxfp4<4><<<grid, kMmaThreads, 0, stream>>>(a, tpw);
+      else
+        ScoreKernelMxfp4<3><<<grid, kMmaThreads, 0, stream>>>(a, tpw);
     } else if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)
@@ -743,7 +954,8 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
   int kp = 1;
   while (kp < a.K) kp <<= 1;
   const unsigned grid = static_cast<unsigned>(a.T > 0 ? a.T : 1);
-  SelectKernel<<<grid, kSelectThreads, kp * sizeof(unsigned long long), stream>>>(a, kp);
+  const size_t sel_bytes = (kp <= kSelectThreads ? 2 : 1) * kp * sizeof(unsigned long long);
+  SelectKernel<<<grid, kSelectThreads, sel_bytes, stream>>>(a, kp);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(err));

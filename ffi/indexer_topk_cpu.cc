@@ -43,19 +43,35 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
     }
     const int64_t n = IndexVisible(p, a.E);
     const uint16_t* qt = a.q + t * kIndexHeads * kIndexDim;
-    int8_t* q2 = nullptr;   // the token's rounded query in qscratch (mxfp4 only)
-    float* qfac = nullptr;
+    const float* w = a.weights + t * kIndexHeads;
+    // mxfp4: the token's rounded query in qscratch, in both forms
+    int8_t *q2 = nullptr, *q2s = nullptr;
+    float *qfac = nullptr, *wq = nullptr;
+    bool fast_token = mxfp4;   // every head within the fast form's guards
     if (mxfp4) {
-      q2 = reinterpret_cast<int8_t*>(a.qscratch + t * kQueryScratchBytes);
-      qfac = reinterpret_cast<float*>(a.qscratch + t * kQueryScratchBytes + kQueryCodeBytes);
-      for (int h = 0; h < kIndexHeads; ++h)
-        for (int b = 0; b < kIndexScales; ++b)
-          qfac[b * kIndexHeads + h] = QuantizeIndexQueryBlock(
-              qt + h * kIndexDim + b * kMxfp4Block, q2 + h * kIndexDim + b * kMxfp4Block);
+      uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
+      q2 = reinterpret_cast<int8_t*>(qs);
+      qfac = reinterpret_cast<float*>(qs + kQueryFactorOffset);
+      q2s = reinterpret_cast<int8_t*>(qs + kQueryShiftedOffset);
+      wq = reinterpret_cast<float*>(qs + kQueryWqOffset);
+      for (int h = 0; h < kIndexHeads; ++h) {
+        uint8_t eq[kIndexScales];
+        for (int b = 0; b < kIndexScales; ++b) {
+          eq[b] = QuantizeIndexQueryBlock(qt + h * kIndexDim + b * kMxfp4Block,
+                                          q2 + h * kIndexDim + b * kMxfp4Block);
+          qfac[b * kIndexHeads + h] = IndexQueryFactor(eq[b]);
+        }
+        const uint8_t mq = std::min(std::min(eq[0], eq[1]), std::min(eq[2], eq[3]));
+        const uint8_t maxq = std::max(std::max(eq[0], eq[1]), std::max(eq[2], eq[3]));
+        wq[h] = IndexQueryFastWeight(mq, maxq, w[h]);
+        fast_token = fast_token && !num::IsNan(wq[h]);
+        for (int c = 0; c < kIndexDim; ++c)
+          q2s[h * kIndexDim + c] = static_cast<int8_t>(
+              q2[h * kIndexDim + c] * (num::IsNan(wq[h]) ? 1 : 1 << (eq[c / kMxfp4Block] - mq)));
+      }
     } else {
       for (int64_t c = 0; c < kIndexHeads * kIndexDim; ++c) qf[c] = num::Bf16ToF32(qt[c]);
     }
-    const float* w = a.weights + t * kIndexHeads;
     uint32_t* keys = a.scratch + t * a.E;
     cand.clear();
     for (int64_t j = 0; j * per_block < n; ++j) {
@@ -71,7 +87,12 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
         const uint8_t* pk = a.packed + row * kIndexPacked;
         const uint8_t* sk = a.scale + row * kIndexScales;
         float score;
-        if (mxfp4) {
+        uint32_t shifts;
+        float kf;
+        const uint32_t sword = sk[0] | sk[1] << 8 | sk[2] << 16 | static_cast<uint32_t>(sk[3]) << 24;
+        if (fast_token && IndexKeyFast(sword, &shifts, &kf)) {
+          score = IndexScoreMxfp4Fast(pk, shifts, kf, q2s, wq);
+        } else if (mxfp4) {
           score = IndexScoreMxfp4(pk, sk, q2, qfac, w);
         } else {
           float k[kIndexDim];

@@ -428,42 +428,115 @@ def test_reference_scores_bit_exact_mxfp4():
     assert np.any(seq.view(np.uint32) != want.view(np.uint32))
 
 
+def handler_scratch(impl, st, slot, pos, q, w, q_format):
+    """The handler's scratch result (rank keys of every entry), poisoned first."""
+    from dsv4_jax.ops._dispatch import ffi_call
+    from dsv4_jax.ops.indexer import QUERY_SCRATCH_BYTES, Q_FORMATS as ATTR
+    T = len(slot)
+    E = st.config.max_blocks_per_request * 32
+    qbytes = QUERY_SCRATCH_BYTES if q_format == "mxfp4" else 0
+
+    def call(st, s, p, q, w):
+        return ffi_call("dsv4_indexer_topk", [jnp.int32(1), s, p, q, w, st.block_table, st.errors,
+                                              st.csa.index.packed, st.csa.index.scale],
+                        [jax.ShapeDtypeStruct((T, 8), jnp.int32),
+                         jax.ShapeDtypeStruct((T, E), jnp.uint32),
+                         jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
+                         jax.ShapeDtypeStruct((8,), jnp.int32)], {6: 3},
+                        q_format=ATTR[q_format])
+    args = jax.device_put((st, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q),
+                           jnp.asarray(w)), jax.devices(impl)[0])
+    return np.asarray(jax.jit(call)(*args)[1])
+
+
+def replay_rank_keys(st, slot, pos, q, w, q_format):
+    """Per token: the replayed rank keys of its visible entries."""
+    out = []
+    for t in range(len(slot)):
+        n = visible(int(pos[t]), st.config.max_blocks_per_request)
+        keys, _, codes, sbytes = host_keys(st, 1, slot[t], n, with_codes=True)
+        want = (replay_f32_mxfp4(codes, sbytes, q[t], w[t]) if q_format == "mxfp4"
+                else replay_f32(keys, q[t], w[t]))
+        out.append(np_rank_keys(want))
+    return out
+
+
 @pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", [pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
                                   pytest.param("cuda", marks=CUDA)])
 def test_handler_scores_bit_exact(impl, q_format):
     """The handlers' scratch output (rank keys of every visible entry) equals
     the float32 replay bit for bit."""
-    from dsv4_jax.ops._dispatch import ffi_call
     rng = np.random.default_rng(6)
     st = make_state(rng, R=2, max_context=512, blocks={0: [2, 0, 3, 1], 1: [4, 5, 6, 7]})
     slot = np.array([0, 1, 0], np.int32)
     pos = np.array([511, 300, 77], np.int32)
     q, w = queries(rng, 3, qscale=3.0)
-    E = st.config.max_blocks_per_request * 32
-    dev = jax.devices(impl)[0]
+    scratch = handler_scratch(impl, st, slot, pos, q, w, q_format)
+    for t, want in enumerate(replay_rank_keys(st, slot, pos, q, w, q_format)):
+        np.testing.assert_array_equal(scratch[t, :len(want)], want)
 
-    from dsv4_jax.ops.indexer import QUERY_SCRATCH_BYTES, Q_FORMATS as ATTR
-    qbytes = QUERY_SCRATCH_BYTES if q_format == "mxfp4" else 0
 
-    def call(st, s, p, q, w):
-        return ffi_call("dsv4_indexer_topk", [jnp.int32(1), s, p, q, w, st.block_table, st.errors,
-                                              st.csa.index.packed, st.csa.index.scale],
-                        [jax.ShapeDtypeStruct((3, 8), jnp.int32),
-                         jax.ShapeDtypeStruct((3, E), jnp.uint32),
-                         jax.ShapeDtypeStruct((3, qbytes), jnp.uint8),
-                         jax.ShapeDtypeStruct((8,), jnp.int32)], {6: 3},
-                        q_format=ATTR[q_format])
-    args = jax.device_put((st, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q),
-                           jnp.asarray(w)), dev)
-    _, scratch, _, _ = jax.jit(call)(*args)
-    scratch = np.asarray(scratch)
-    for t in range(3):
-        n = visible(int(pos[t]), 4)
-        keys, _, codes, sbytes = host_keys(st, 1, slot[t], n, with_codes=True)
-        want = (replay_f32_mxfp4(codes, sbytes, q[t], w[t]) if q_format == "mxfp4"
-                else replay_f32(keys, q[t], w[t]))
-        np.testing.assert_array_equal(scratch[t, :n], np_rank_keys(want))
+def with_key_scales(st, scale):
+    return dataclasses.replace(st, csa=dataclasses.replace(st.csa, index=D.IndexerKeys(
+        st.csa.index.packed, jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
+
+
+def key_fast(sbytes):
+    """The key guard of the fast form (dsv4/indexer.h), per entry."""
+    m = sbytes.min(-1)
+    return (m >= 88) & (m <= 168) & (sbytes.max(-1) - m <= 3)
+
+
+@pytest.mark.parametrize("impl", ["reference",
+                                  pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
+                                  pytest.param("cuda", marks=CUDA)])
+def test_mxfp4_fast_form_guards(impl):
+    """q_format "mxfp4" where the handlers' fast form (one dot product over 128
+    channels, dsv4/indexer.h) and the per-block form meet: keys whose scale
+    bytes lie within 3 of each other, at and across the guard bounds 88 and
+    168, tiles with one entry spread by 4; tokens with a query head spread
+    by more than 3, with weights far outside [2^-50, 2^50] once scaled, with
+    zero weights. Every score bit equals the replay of the definition, and
+    the indices the replayed ranking."""
+    rng = np.random.default_rng(77)
+    st = make_state(rng, R=2, max_context=1024, blocks={0: list(range(8)), 1: list(range(8, 16))})
+    shape = np.asarray(st.csa.index.scale).shape            # [Lc, N, 32, 4]
+    base = rng.integers(100, 150, shape[:3])
+    base[:, 1] = 88                                          # at the bounds: fast
+    base[:, 2] = 168
+    base[:, 3] = rng.choice([87, 88, 168, 169], shape[2])    # across them: mixed
+    base[:, 4] = rng.integers(60, 200, shape[2])
+    spread = rng.integers(0, 4, shape)
+    spread[:, 1:4, :, 0] = 0                                 # the minimum is the base
+    spread[:, 5, 7, :3] = [0, 0, 4]                          # one entry of a tile: slow tile
+    spread[:, 9, :, 1] = 4 * rng.integers(0, 2, shape[2])    # about half the entries
+    scale = (base[..., None] + spread).astype(np.uint8)
+    st = with_key_scales(st, scale)
+    kf = key_fast(scale[1].astype(np.int64))
+    assert kf[[0, 1, 2, 6, 7]].all() and not kf[5].all() and 0 < kf[[3, 4, 9]].mean() < 1
+
+    T = 7
+    slot = np.array([0, 1, 0, 1, 0, 1, 0], np.int32)
+    pos = np.array([1023, 1023, 900, 1023, 1023, 1023, 555], np.int32)
+    q, w = queries(rng, T)
+    q = np.asarray(q, np.float32)
+    q[1, 9, 64:96] *= 32.0                                   # head 9: spread 5, token slow
+    w[2, 30] = 2.0 ** 60                                     # |wq| above 2^50: token slow
+    w[3, 40] = 1.3 * 2.0 ** -60                              # below 2^-50: token slow
+    w[4] *= 2.0 ** 40                                        # large, inside: fast
+    w[5, ::3] = 0.0                                          # zeros: fast
+    w[6] *= 2.0 ** -40
+    q = q.astype(ml_dtypes.bfloat16)
+    with np.errstate(over="ignore", invalid="ignore"):       # some scores overflow: -> inf
+        wants = replay_rank_keys(st, slot, pos, q, w, "mxfp4")
+        want_idx, _ = expected(st, 1, slot, pos, q, w, 64, "mxfp4")
+    if impl != "reference":
+        scratch = handler_scratch(impl, st, slot, pos, q, w, "mxfp4")
+        for t, want in enumerate(wants):
+            np.testing.assert_array_equal(scratch[t, :len(want)], want, err_msg=f"token {t}")
+    got = np.asarray(run(st, 1, slot, pos, q, w, 64, impl, return_state=False, q_format="mxfp4"))
+    np.testing.assert_array_equal(got, want_idx)
 
 
 def few_distinct_keys(rng, st, n_distinct=6):

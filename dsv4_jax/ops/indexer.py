@@ -60,7 +60,7 @@ FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
         errors i32[8], csa.index.packed u8[Lc, N, 32, 64],
         csa.index.scale e8m0[Lc, N, 32, 4]
   rets  indices i32[T, k], scratch u32[T, MB * 32] (per-entry rank keys; the
-        handlers' working memory, discarded), qscratch u8[T, 9216] for
+        handlers' working memory, discarded), qscratch u8[T, 17664] for
         q_format 1, else u8[T, 0] (the rounded query, laid out as each
         handler likes; discarded), errors (aliased)
   attrs q_format 0 ("bf16") or 1 ("mxfp4")
@@ -82,8 +82,10 @@ from ._layer import layer_operand, pick_layer, traced_layer
 _I32 = jnp.int32
 MAX_K = 4096   # the CUDA kernel sorts the selection in shared memory
 Q_FORMATS = {"bf16": 0, "mxfp4": 1}      # the FFI attribute q_format
-# per token: int8 codes [64, 128] + f32 factors [4, 64] (dsv4/indexer.h)
-QUERY_SCRATCH_BYTES = C.INDEX_HEADS * C.INDEX_DIM + 4 * C.INDEX_HEADS * C.INDEX_SCALES
+# per token (kQueryScratchBytes of dsv4/indexer.h): int8 codes [64, 128],
+# f32 factors [4, 64], the shifted codes [64, 128] and f32 wq [64] of the fast form
+QUERY_SCRATCH_BYTES = (2 * C.INDEX_HEADS * C.INDEX_DIM + 4 * C.INDEX_HEADS * C.INDEX_SCALES
+                       + 4 * C.INDEX_HEADS)
 
 
 def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,

@@ -97,9 +97,16 @@ DSV4_HD uint32_t IndexRankKey(float s) {
 //           head order, the order a GPU warp reduces in)
 // u[b] * Q[b] is exact unless it leaves the normal fp32 range, so the fma
 // equals a multiply and an add wherever no subnormal appears.
-constexpr int kQueryCodeBytes = kIndexHeads * kIndexDim;                  // int8 q2[64][128]
-// qscratch bytes per token: the int8 codes (layout up to the handler) + f32 Q[4][64]
-constexpr int kQueryScratchBytes = kQueryCodeBytes + 4 * kIndexHeads * kIndexScales;
+// qscratch bytes per token (a layout each handler fills its own way):
+//   [0, 8192)        int8 codes q2[64][128]
+//   [8192, 9216)     f32 factors Q[4][64]
+//   [9216, 17408)    int8 codes shifted for the fast form (below)
+//   [17408, 17664)   f32 wq[64] of the fast form (NaN: the head is outside its guards)
+constexpr int kQueryCodeBytes = kIndexHeads * kIndexDim;
+constexpr int kQueryFactorOffset = kQueryCodeBytes;
+constexpr int kQueryShiftedOffset = kQueryFactorOffset + 4 * kIndexHeads * kIndexScales;
+constexpr int kQueryWqOffset = kQueryShiftedOffset + kQueryCodeBytes;
+constexpr int kQueryScratchBytes = kQueryWqOffset + 4 * kIndexHeads;
 
 enum IndexQueryFormat : int64_t { kQueryBf16 = 0, kQueryMxfp4 = 1 };
 
@@ -118,15 +125,15 @@ DSV4_HD float IndexQueryFactor(uint32_t eq) {
   return num::BitsFloat(eq >= 3 ? (eq - 2u) << 23 : 0x00800000u >> (3u - eq));
 }
 
-// One (head, block) of the query: 32 bf16 values -> 32 int8 codes (q2) and
-// its factor Q.
-DSV4_HD float QuantizeIndexQueryBlock(const uint16_t* q, int8_t* q2) {
+// One (head, block) of the query: 32 bf16 values -> 32 int8 codes (q2);
+// returns its scale byte eq (Q = IndexQueryFactor(eq)).
+DSV4_HD uint8_t QuantizeIndexQueryBlock(const uint16_t* q, int8_t* q2) {
   float x[kMxfp4Block];
   uint8_t codes[kMxfp4Block];
   for (int j = 0; j < kMxfp4Block; ++j) x[j] = num::Bf16ToF32(q[j]);
   const uint8_t eq = num::QuantizeMxfp4Block(x, kMxfp4Block, codes);
   for (int j = 0; j < kMxfp4Block; ++j) q2[j] = static_cast<int8_t>(E2m1Twice(codes[j]));
-  return IndexQueryFactor(eq);
+  return eq;
 }
 
 // The balanced pairwise sum of 64 values in order (overwrites v).
@@ -159,6 +166,77 @@ DSV4_HD float IndexScoreMxfp4(const uint8_t* packed, const uint8_t* scales, cons
     c[h] = w[h] * (d > 0.f ? d : 0.f);
   }
   return PairwiseSum64(c);
+}
+
+// ---- The fast form of the mxfp4 score: the same bits, with one integer dot
+// product per head instead of four block sums ----------------------------------
+// Let a head's query scale bytes be eq[b] = mq + sq[b] and a key's be
+// ek[b] = mk + sk[b]. Every term of d is S[b] * 2^(ek[b] + eq[b] - 256), an
+// integer multiple of 2^(mk + mq - 256); when every sq, sk <= 3 the partial
+// sums stay below 2^24 such units (4 * 4608 * 2^6 < 2^21), so the chain of
+// u and fma above rounds nowhere and
+//   d = A * 2^(mk + mq - 256),   A = sum_c (q2[c] << sq[c/32]) * (k2[c] << sk[c/32])
+// one exact int8 dot product over 128 channels (shifted codes stay within
+// +-96). With wq = w * 2^(mq - 128) and Kf = 2^(mk - 128),
+//   c[h]  = fl(w * relu(d)) = Kf * fl(wq * relu(A))
+//   score = Kf * pairwise_sum(fl(wq[h] * relu(A[h])))
+// because a power-of-two factor commutes with every rounding while nothing
+// leaves the normal range. The guards make sure of that:
+//   key   mk in [88, 168], every sk <= 3                    (Kf in [2^-40, 2^40])
+//   query mq in [20, 190], every sq <= 3, wq = 0 or |wq| in [2^-50, 2^50]
+// so mk + mq - 256 >= -148 (the units are fp32 numbers), |fl(wq relu A)| lies
+// in [2^-50, 2^71] on a grid of 2^-73, every partial head sum below 2^77, and
+// times Kf within [2^-113, 2^117]. Outside the guards the per-block form runs.
+constexpr uint32_t kFastKeyMin = 88, kFastKeyMax = 168;
+constexpr uint32_t kFastQueryMin = 20, kFastQueryMax = 190;
+
+// A key's scale word (byte b = ek[b]): the shifts sk (byte b) and Kf; false
+// outside the guards.
+DSV4_HD bool IndexKeyFast(uint32_t scales, uint32_t* shifts, float* kf) {
+  uint32_t m = 255;
+  for (int b = 0; b < kIndexScales; ++b) {
+    const uint32_t e = (scales >> (8 * b)) & 255u;
+    m = e < m ? e : m;
+  }
+  const uint32_t d = scales - m * 0x01010101u;   // no borrow: every byte >= m
+  *shifts = d;
+  *kf = num::BitsFloat((m - 1u) << 23);          // 2^(m - 128), m >= 1 below
+  return m >= kFastKeyMin && m <= kFastKeyMax && (d & 0xFCFCFCFCu) == 0;
+}
+
+// wq of one head from the smallest and largest of its query scale bytes and
+// its weight; NaN outside the guards (a non-finite w included).
+DSV4_HD float IndexQueryFastWeight(uint32_t mq, uint32_t maxq, float w) {
+  const float nan = num::BitsFloat(0x7fc00000u);
+  if (mq < kFastQueryMin || maxq > kFastQueryMax || maxq - mq > 3) return nan;
+  const float wq = w * num::BitsFloat((mq - 1u) << 23);   // 2^(mq - 128): exact
+  const float a = num::AbsF(wq);
+  const bool ok = wq == 0.f || (a >= num::BitsFloat(0x26800000u) && a <= num::BitsFloat(0x58800000u));
+  return ok ? wq : nan;                                    // [2^-50, 2^50]
+}
+
+// The fast head term fl(wq * relu(A)).
+DSV4_HD float IndexHeadTermFast(int32_t acc, float wq) {
+  return wq * static_cast<float>(acc > 0 ? acc : 0);
+}
+
+// The score of one MXFP4 key in the fast form: q2s[64 * 128] the query codes
+// shifted by sq, wq[64] (all finite), the key's shifts and Kf from IndexKeyFast.
+DSV4_HD float IndexScoreMxfp4Fast(const uint8_t* packed, uint32_t shifts, float kf,
+                                  const int8_t* q2s, const float* wq) {
+  int k2[kIndexDim];
+  for (int j = 0; j < kIndexDim / 2; ++j) {
+    const int sk = static_cast<int>((shifts >> (8 * (2 * j / kMxfp4Block))) & 255u);
+    k2[2 * j] = E2m1Twice(packed[j] & 15u) * (1 << sk);
+    k2[2 * j + 1] = E2m1Twice(packed[j] >> 4) * (1 << sk);
+  }
+  float c[kIndexHeads];
+  for (int h = 0; h < kIndexHeads; ++h) {
+    int32_t acc = 0;
+    for (int j = 0; j < kIndexDim; ++j) acc += q2s[h * kIndexDim + j] * k2[j];
+    c[h] = IndexHeadTermFast(acc, wq[h]);
+  }
+  return kf * PairwiseSum64(c);
 }
 
 // Entries a query at position p >= 0 may see: (p + 1) / 4, capped at `limit`.
