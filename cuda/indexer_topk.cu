@@ -350,17 +350,21 @@ __device__ __forceinline__ void FastTileSums(const uint4* bfrag, const float4* w
       E2m1x8ToInt8(k.kg[b], (shift_g >> (8 * b)) & 255u, &a[e][0], &a[e][2]);
       E2m1x8ToInt8(k.kh[b], (shift_h >> (8 * b)) & 255u, &a[e][1], &a[e][3]);
     }
+    // eight independent accumulators between an MMA and the next on the same one
+    uint4 bq[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) bq[j] = bfrag[(j * 2 + bp) * 32];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const uint4 bq = bfrag[(j * 2 + bp) * 32];
       if (bp == 0) {
         const uint32_t start[4] = {kFastMagicBits, kFastMagicBits, kFastMagicBits, kFastMagicBits};
-        MmaS8(acc[j], a[0], bq.x, bq.y, start);
+        MmaS8(acc[j], a[0], bq[j].x, bq[j].y, start);
       } else {
-        MmaS8(acc[j], a[0], bq.x, bq.y, acc[j]);
+        MmaS8(acc[j], a[0], bq[j].x, bq[j].y, acc[j]);
       }
-      MmaS8(acc[j], a[1], bq.z, bq.w, acc[j]);
     }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) MmaS8(acc[j], a[1], bq[j].z, bq[j].w, acc[j]);
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -439,17 +443,17 @@ __device__ __forceinline__ bool FmaScales(uint32_t s) {
 }
 
 // ---- key tiles: a cp.async ring per warp ----
-// A tile in shared memory: 16 packed keys (64 bytes each, their four 16-byte
-// block chunks swizzled so that the 32 lanes' 4-byte reads of one block hit
-// 32 banks), then the 16 scale words.
+// A tile in shared memory: 16 packed keys at a stride of 80 bytes (64 + 16 of
+// padding: row g starts at bank 20g mod 32, so the 32 lanes' 4-byte reads of
+// one block, rows g = 0..7 and quad lanes c, hit 32 distinct banks), then the
+// 16 scale words.
 constexpr int kStages = 4;                                   // tiles in flight per warp
-constexpr int kTileWords = kTile * (kIndexPacked + kIndexScales) / 4;   // 272
+constexpr int kRowWords = 20;
+constexpr int kScaleWord = kTile * kRowWords;                // 320
+constexpr int kTileWords = kScaleWord + kTile;               // 336
 
-__device__ __forceinline__ int SwizzledChunk(int row, int b) { return b ^ ((row >> 1) & 3); }
-
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+__device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
@@ -457,32 +461,26 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// Starts the copy of one tile (entries e0 .. e0 + 15 of a logical block) into
-// `stage`; nothing for a missing block. Lane L copies chunks L and L + 32 of
-// the 64 key chunks, lanes 0-3 the 64 scale bytes.
-__device__ __forceinline__ void IssueTile(const IndexerTopkArgs& a, int64_t l, int32_t block,
-                                          int64_t e0, int lane, uint32_t* stage) {
-  if (block < 0 || block >= a.N) return;
-  const int64_t row0 = (l * a.N + block) * kPerBlock + e0 % kPerBlock;
-  const uint8_t* src = a.packed + row0 * kIndexPacked;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int chunk = lane + 32 * h, row = chunk / 4, b = chunk % 4;
-    CpAsync16(stage + row * 16 + SwizzledChunk(row, b) * 4, src + chunk * 16);
-  }
-  if (lane < 4) CpAsync16(stage + kTile * 16 + lane * 4, a.scale + row0 * kIndexScales + lane * 16);
-}
+// A warp's view of its tiles. Tiles are 16-aligned runs of one logical block
+// and a warp's tiles lie 64 entries apart, so the offset within the block is
+// the same for all of them: a tile's addresses are a per-lane constant plus
+// the block's base.
+struct TileStream {
+  const uint8_t* packed;     // layer's packed keys + this lane's first chunk of a tile
+  const uint8_t* scale;      // layer's scale bytes + this lane's 16 bytes (lanes 0-3)
+  uint32_t dst0, dst1, dst_s;   // shared addresses in stage 0 (stages kTileWords * 4 apart)
+  int64_t N;
 
-// This lane's part of a landed tile: rows g and g + 8, channels 8c.. of each block.
-__device__ __forceinline__ void ReadTile(const uint32_t* stage, int g, int c, TileKeys* k) {
-#pragma unroll
-  for (int b = 0; b < 4; ++b) {
-    k->kg[b] = stage[g * 16 + SwizzledChunk(g, b) * 4 + c];
-    k->kh[b] = stage[(g + 8) * 16 + SwizzledChunk(g + 8, b) * 4 + c];
+  // Starts the copy of a tile of `block` into `stage`; nothing for a missing block.
+  __device__ __forceinline__ void Issue(int32_t block, int stage, int lane) const {
+    if (block < 0 || block >= N) return;
+    const uint32_t off = static_cast<uint32_t>(stage) * kTileWords * 4;
+    const uint8_t* src = packed + static_cast<int64_t>(block) * (kPerBlock * kIndexPacked);
+    CpAsync16(dst0 + off, src);
+    CpAsync16(dst1 + off, src + 512);
+    if (lane < 4) CpAsync16(dst_s + off, scale + static_cast<int64_t>(block) * (kPerBlock * kIndexScales));
   }
-  k->sg = stage[kTile * 16 + g];
-  k->sh = stage[kTile * 16 + g + 8];
-}
+};
 
 // One CTA: one token, kMmaWarps * tiles_per_warp * 16 consecutive entries;
 // warp w takes tiles w, w + 4, ..., keeping kStages - 1 of them in flight.
@@ -525,32 +523,48 @@ __global__ void __launch_bounds__(kMmaThreads, kMinCtas) ScoreKernelMxfp4(Indexe
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const uint4* bfrag = bfrag_s + lane;
   const uint4* bfrag_block = reinterpret_cast<const uint4*>(qs) + lane;
-  uint32_t* keys = a.scratch + t * a.E;
-  const int64_t l = *a.layer;
   const int64_t stride = static_cast<int64_t>(kMmaWarps) * kTile;
   const int64_t e_first = first + warp * kTile;
-  int tiles = 0;                                           // this warp's tiles below n
+  const int in_block = static_cast<int>(e_first % kPerBlock);   // 0 or 16, every tile
+  const int64_t l = *a.layer;
+  TileStream ts;
+  ts.N = a.N;
+  ts.packed = a.packed + (l * a.N * kPerBlock + in_block) * kIndexPacked + lane * 16;
+  ts.scale = a.scale + (l * a.N * kPerBlock + in_block) * kIndexScales + (lane & 3) * 16;
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(&ring_s[warp][0][0]));
+  ts.dst0 = ring + ((lane / 4) * kRowWords + (lane % 4) * 4) * 4;        // row lane/4, chunk lane%4
+  ts.dst1 = ts.dst0 + 8 * kRowWords * 4;                                 // row + 8
+  ts.dst_s = ring + (kScaleWord + (lane & 3) * 4) * 4;
+  const uint32_t* rd = &ring_s[warp][0][g * kRowWords + c];   // + 4b: row g, + 8 rows: row g + 8
+  const int block_first = static_cast<int>((e_first - first) / kPerBlock);   // + 2 per tile
+  uint32_t* keys = a.scratch + t * a.E;
+  const uint32_t my_row = g + 8 * (c & 1);                     // the row whose key this lane stores
+  int tiles = 0;                                               // this warp's tiles below n
   while (tiles < tiles_per_warp && e_first + tiles * stride < ti.n) ++tiles;
   auto issue = [&](int it) {
-    if (it < tiles) {
-      const int64_t e = e_first + it * stride;
-      IssueTile(a, l, blocks_s[(e - first) / kPerBlock], e, lane, ring_s[warp][it % kStages]);
-    }
-    CpAsyncCommit();                                       // empty groups keep the count
+    if (it < tiles) ts.Issue(blocks_s[block_first + 2 * it], it % kStages, lane);
+    CpAsyncCommit();                                           // empty groups keep the count
   };
-#pragma unroll
+#pragma unroll 1
   for (int it = 0; it < kStages - 1; ++it) issue(it);
-  for (int it = 0; it < tiles; ++it) {                     // uniform per warp
+  for (int it = 0; it < tiles; ++it) {                         // uniform per warp
+    const int32_t block = blocks_s[block_first + 2 * it];     // read early: hides its latency
     issue(it + kStages - 1);
     CpAsyncWait<kStages - 1>();
     __syncwarp();
     const int64_t e0 = e_first + it * stride;
-    const int32_t block = blocks_s[(e0 - first) / kPerBlock];
     if (block < 0 || block >= a.N) {
       if (lane < kTile && e0 + lane < ti.n) keys[e0 + lane] = 0;
     } else {
+      const uint32_t* st = rd + (it % kStages) * kTileWords;
       TileKeys cur;
-      ReadTile(ring_s[warp][it % kStages], g, c, &cur);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        cur.kg[b] = st[4 * b];
+        cur.kh[b] = st[8 * kRowWords + 4 * b];
+      }
+      cur.sg = ring_s[warp][it % kStages][kScaleWord + g];
+      cur.sh = ring_s[warp][it % kStages][kScaleWord + g + 8];
       float pg[8], ph[8], kfg = 1.f, kfh = 1.f;
       uint32_t shift_g, shift_h;
       const bool fast = IndexKeyFast(cur.sg, &shift_g, &kfg) & IndexKeyFast(cur.sh, &shift_h, &kfh);
@@ -563,11 +577,11 @@ __global__ void __launch_bounds__(kMmaThreads, kMinCtas) ScoreKernelMxfp4(Indexe
         else
           BlockTileSums<false>(bfrag_block, qf_s, w_s, cur, c, pg, ph);
       }
-      const float score_g = kfg * LaneHeadTree(pg), score_h = kfh * LaneHeadTree(ph);
-      if (c == 0 && e0 + g < ti.n) keys[e0 + g] = IndexRankKey(score_g);
-      if (c == 1 && e0 + g + 8 < ti.n) keys[e0 + g + 8] = IndexRankKey(score_h);
+      const float tree_g = LaneHeadTree(pg), tree_h = LaneHeadTree(ph);
+      const float score = (c & 1) ? kfh * tree_h : kfg * tree_g;
+      if (c < 2 && e0 + my_row < ti.n) keys[e0 + my_row] = IndexRankKey(score);
     }
-    __syncwarp();                                          // the stage is free for its next tile
+    __syncwarp();                                              // the stage is free for its next tile
   }
   CpAsyncWait<0>();
 }
@@ -645,7 +659,9 @@ struct TokenKeys {
   }
 
   // f(key, index) for every key of this thread (0 keys included: callers skip
-  // them); from memory, eight loads are issued before their uses.
+  // them). Every lane of a warp makes the same calls (a key past n reads as
+  // 0), so f may use warp-wide votes. From memory, eight loads are issued
+  // before their uses.
   template <typename F>
   __device__ __forceinline__ void ForEach(F f) const {
     if (in_regs) {
@@ -654,15 +670,17 @@ struct TokenKeys {
       return;
     }
     constexpr int kUnroll = 8;
-    int64_t i = threadIdx.x;
-    for (; i + (kUnroll - 1) * kSelectThreads < n; i += kUnroll * kSelectThreads) {
+    const int64_t warp_first = threadIdx.x & ~31;
+    for (int64_t base = 0; warp_first + base < n; base += kUnroll * kSelectThreads) {
       uint32_t k[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) k[u] = keys[i + u * kSelectThreads];
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + threadIdx.x + u * kSelectThreads;
+        k[u] = i < n ? keys[i] : 0u;
+      }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) f(k[u], i + u * kSelectThreads);
+      for (int u = 0; u < kUnroll; ++u) f(k[u], base + threadIdx.x + u * kSelectThreads);
     }
-    for (; i < n; i += kSelectThreads) f(keys[i], i);
   }
 };
 
@@ -678,27 +696,29 @@ __device__ __forceinline__ unsigned long long Composite(uint32_t key, int64_t i)
 __device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
                                                unsigned long long* buf) {
   const int tid = threadIdx.x;
+  const bool busy = (tid & ~31) < kp;   // warps holding elements (all threads sync)
   int parity = 0;
   for (int size = 2; size <= kp; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      unsigned long long p;
+      unsigned long long p = 0;
       if (stride >= 32) {
         unsigned long long* b = buf + parity * kp;
         parity ^= 1;
         if (tid < kp) b[tid] = v;
         __syncthreads();
-        p = tid < kp ? b[tid ^ stride] : 0ull;
-      } else {
+        if (tid < kp) p = b[tid ^ stride];
+      } else if (busy) {
         p = __shfl_xor_sync(cuda::kFull, v, stride);
       }
       const bool desc = (tid & size) == 0, lower = (tid & stride) == 0;
-      v = desc == lower ? (v > p ? v : p) : (v < p ? v : p);
+      if (busy) v = desc == lower ? (v > p ? v : p) : (v < p ? v : p);
     }
   }
   return v;
 }
 
 __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a, int kp) {
+
   extern __shared__ unsigned long long sel[];   // kp composite keys (2 kp when kp <= threads)
   __shared__ int hist[256];
   __shared__ int warp_sums[kSelectThreads / 32];
@@ -721,11 +741,11 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     return;
   }
   const int64_t n = ti.n;
+  const TokenKeys keys(a.scratch + t * a.E, n);
   for (int64_t j = tid; j * kPerBlock < n; j += kSelectThreads) {
     const int64_t b = a.block_table[ti.slot * a.MB + j];
     if (b < 0 || b >= a.N) atomicAdd(&a.errors[kMissingBlock], 1);
   }
-  const TokenKeys keys(a.scratch + t * a.E, n);
 
   // ---- range and count of the candidate keys (one pass, no atomics) ----
   // Scores of one token are of similar size, so their rank keys share the

@@ -576,6 +576,29 @@ def test_long_context_many_ties(impl, q_format):
             np.testing.assert_array_equal(got, want, err_msg=f"k={k}")
 
 
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
+                                  pytest.param("cuda", marks=CUDA)])
+def test_long_context_past_register_capacity(impl):
+    """Requests with more than 16384 visible entries (the CUDA select keeps up
+    to 16384 keys a token in registers and re-reads the scratch row beyond),
+    at the boundary (16384, 16385) and with a partial last warp (17500); k =
+    512 (one register per thread in the sort), 1500 (the shared-memory sort);
+    random keys and six tie groups (the ordered collection of the ties)."""
+    rng = np.random.default_rng(23)
+    st = make_state(rng, R=2, max_context=131072)
+    st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
+        [np.r_[b] for b in random_blocks(rng, st.config, range(2)).values()]).astype(np.int32)))
+    slot = np.array([0, 1, 0, 1], np.int32)
+    pos = np.array([131071, 69999, 65535, 65539], np.int32)
+    q, w = queries(rng, 4)
+    for state, ks in ((st, (512, 1500)), (few_distinct_keys(rng, st), (512,))):
+        want_all, _ = expected(state, 1, slot, pos, q, w, max(ks), "mxfp4")
+        for k in ks:
+            got = np.asarray(run(state, 1, slot, pos, q, w, k, impl, return_state=False,
+                                 q_format="mxfp4"))
+            np.testing.assert_array_equal(got, want_all[:, :k], err_msg=f"k={k}")
+
+
 @pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_large_key_scales(impl, q_format):

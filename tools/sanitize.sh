@@ -62,9 +62,10 @@ MEMCHECK_ARGS=(tests/test_numerics_gpu.py tests/test_apply_step.py tests/test_cu
                tests/test_indexer.py
                --deselect "tests/test_cuda_replay.py::test_replay_equals_reference_and_repeats[ds_fp8-100]")
 # shared-memory kernels: append and flush (CSA and HCA, bad rows among good
-# ones), indexer_topk
+# ones), indexer_topk (8 tiles a warp in the 2048-entry case, so every warp
+# wraps its ring of 4 cp.async stages)
 RACECHECK_ARGS=(tests/test_cuda_replay.py tests/test_indexer.py
-                -k "bad_rows_dropped_and_counted or handler_scores_bit_exact")
+                -k "bad_rows_dropped_and_counted or handler_scores_bit_exact or long_context_many_ties")
 
 # Which option filters kernels by name (--kernel-name in recent releases, --filter before).
 filter=()
@@ -99,7 +100,8 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
   # process of the run (marked in its environment) is ended at the limit and
   # after the sanitizer exits.
   run_id="$$-$tool-$t0"
-  DSV4_SANITIZE_RUN=$run_id "$SAN" --tool "$tool" --target-processes application-only \
+  tiles=; [ "$tool" = racecheck ] && tiles=8
+  DSV4_INDEXER_TILES=$tiles DSV4_SANITIZE_RUN=$run_id "$SAN" --tool "$tool" --target-processes application-only \
     "${filter[@]}" "${SANITIZE_OPTS[@]}" --error-exitcode 86 --print-limit 20 \
     "$PY" -m pytest -m gpu -p no:cacheprovider -x -v -rs --durations=8 \
     -o console_output_style=times "${args[@]}" > "$log" 2>&1 &
