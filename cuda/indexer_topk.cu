@@ -11,12 +11,15 @@
 //     4 lanes per entry, one 32-channel block each); it stores the rank key
 //     (0 for an entry of a missing block).
 //     With q_format "mxfp4": QuantizeQueryKernel then ScoreKernelMxfp4
-//     (integer block sums on the tensor cores; see below).
-//  2. SelectKernel, one block per token: an MSB-first radix select (passes
-//     of 8 bits from the top bit where the keys differ) finds the k-th
-//     largest key; one ordered pass collects the
-//     keys above it and the lowest-indexed keys equal to it; a bitonic sort
-//     in shared memory orders them (key descending, index ascending).
+//     (int8 dot products on the tensor cores, keys streamed through a
+//     cp.async ring; see below).
+//  2. SelectKernel, one block of 1024 threads per token, the token's keys in
+//     registers when they fit (16 a thread): an MSB-first radix select
+//     (passes of 8 bits from the top bit where the keys differ) finds the
+//     k-th largest key; one pass collects the keys above it and those equal
+//     to it (in index order when they overflow the buffer); a bitonic sort
+//     (shuffles within a warp, shared memory across) orders them (key
+//     descending, index ascending).
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -229,6 +232,7 @@ constexpr int kMmaThreads = 128;
 constexpr int kMmaWarps = kMmaThreads / 32;
 constexpr int kTile = 16;                                    // entries per warp tile
 constexpr int kMaxTilesPerWarp = 32;
+constexpr int kScoreCtasPerSm = 3;
 constexpr uint32_t kBlockMagicBits = 0x4B400000u;            // 1.5 * 2^23
 constexpr float kBlockMagic = 12582912.f;
 constexpr uint32_t kFastMagicBits = 0x4B000000u;             // 2^23
@@ -484,10 +488,10 @@ struct TileStream {
 
 // One CTA: one token, kMmaWarps * tiles_per_warp * 16 consecutive entries;
 // warp w takes tiles w, w + 4, ..., keeping kStages - 1 of them in flight.
-// kMinCtas: resident CTAs per multiprocessor the registers are capped for.
-template <int kMinCtas>
-__global__ void __launch_bounds__(kMmaThreads, kMinCtas) ScoreKernelMxfp4(IndexerTopkArgs a,
-                                                                          int tiles_per_warp) {
+// Three resident CTAs a multiprocessor (160 registers, no spills; capping
+// registers at 128 for four measured the same on the H100).
+__global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4(IndexerTopkArgs a,
+                                                                                 int tiles_per_warp) {
   __shared__ uint4 bfrag_s[kFragWords];                    // shifted codes, fragment order
   __shared__ float2 qf_s[kIndexScales][kIndexHeads / 2];   // Q[b][h], two heads a float2
   __shared__ float2 w_s[kIndexHeads / 2];
@@ -586,17 +590,6 @@ __global__ void __launch_bounds__(kMmaThreads, kMinCtas) ScoreKernelMxfp4(Indexe
   CpAsyncWait<0>();
 }
 
-// Resident score CTAs per multiprocessor: 3 (167 registers, no spills) by
-// default; DSV4_INDEXER_SCORE_CTAS=4 caps registers at 128 (read once, for
-// benchmarks).
-int ScoreCtasPerSm() {
-  static const int n = [] {
-    const char* v = std::getenv("DSV4_INDEXER_SCORE_CTAS");
-    return v && std::atoi(v) == 4 ? 4 : 3;
-  }();
-  return n;
-}
-
 // Tiles per warp: about one wave of resident CTAs, at most kMaxTilesPerWarp
 // (each CTA first loads the token's 8 KB of q operands).
 // DSV4_INDEXER_TILES=n (read once) fixes it, for benchmarks.
@@ -608,7 +601,7 @@ int TilesPerWarp(int64_t T, int64_t E) {
   }();
   if (forced) return forced;
   const int64_t per_tile_cta =
-      static_cast<int64_t>(kTile) * kMmaWarps * cuda::SmCount() * ScoreCtasPerSm();
+      static_cast<int64_t>(kTile) * kMmaWarps * cuda::SmCount() * kScoreCtasPerSm;
   const int64_t tpw = T * E / per_tile_cta;
   return static_cast<int>(tpw < 1 ? 1 : tpw > kMaxTilesPerWarp ? kMaxTilesPerWarp : tpw);
 }
@@ -955,11 +948,8 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
       QuantizeQueryKernel<<<dim3(static_cast<unsigned>(a.T), kIndexHeads * kIndexScales * 8 /
                                                                   kQuantThreads),
                             kQuantThreads, 0, stream>>>(a);
-      const dim3 grid(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas));
-      if (ScoreCtasPerSm() == 4)
-        ScoreKernelMxfp4<4><<<grid, kMmaThreads, 0, stream>>>(a, tpw);
-      else
-        ScoreKernelMxfp4<3><<<grid, kMmaThreads, 0, stream>>>(a, tpw);
+      ScoreKernelMxfp4<<<dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas)),
+                         kMmaThreads, 0, stream>>>(a, tpw);
     } else if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)

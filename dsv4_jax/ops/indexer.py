@@ -51,8 +51,13 @@ simulates (not checked against that code here). Then (dsv4/indexer.h):
   score = balanced pairwise tree over c[0..63] in head order
 The products u * Q are exact unless they leave the normal fp32 range (block
 amaxes of q and k whose product is below ~2^-110), so there the jnp
-reference (mul + add) equals the handlers' fma. On the GPU the block sums
-run on the int8 tensor cores; the fp32 tail is the same on every backend.
+reference (mul + add) equals the handlers' fma. The handlers compute most
+scores in an equivalent form (dsv4/indexer.h, "fast form"): when a head's
+four query scale bytes and a key's four lie within 3 of their minimum, the
+chain above rounds nowhere, so one integer dot product over 128 channels of
+codes shifted by their block's excess exponent, times powers of two, gives
+the same bits; range guards send every other key and head to the per-block
+form. On the GPU the dot products run on the int8 tensor cores.
 
 FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
   args  layer i32[] (CSA index, -1 = bad), token_slot i32[T], token_pos i32[T],
