@@ -87,13 +87,13 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
         const uint8_t* pk = a.packed + row * kIndexPacked;
         const uint8_t* sk = a.scale + row * kIndexScales;
         float score;
-        uint32_t shifts;
-        float kf;
-        const uint32_t sword = sk[0] | sk[1] << 8 | sk[2] << 16 | static_cast<uint32_t>(sk[3]) << 24;
-        if (fast_token && IndexKeyFast(sword, &shifts, &kf)) {
-          score = IndexScoreMxfp4Fast(pk, shifts, kf, q2s, wq);
-        } else if (mxfp4) {
-          score = IndexScoreMxfp4(pk, sk, q2, qfac, w);
+        if (mxfp4) {
+          uint32_t shifts;
+          float kf;
+          const uint32_t sword = sk[0] | sk[1] << 8 | sk[2] << 16 | static_cast<uint32_t>(sk[3]) << 24;
+          score = fast_token && IndexKeyFast(sword, &shifts, &kf)
+                      ? IndexScoreMxfp4Fast(pk, shifts, kf, q2s, wq)
+                      : IndexScoreMxfp4(pk, sk, q2, qfac, w);
         } else {
           float k[kIndexDim];
           DecodeIndexKey(pk, sk, k);

@@ -32,10 +32,18 @@ def make_state(rng, R=4, max_context=1024, blocks=None, num_blocks=None):
     bt = np.full((R, cfg.max_blocks_per_request), -1, np.int32)
     for s, phys in (blocks or {}).items():
         bt[s, :len(phys)] = phys
-    index = D.IndexerKeys(jnp.asarray(packed),
-                          jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))
-    csa = dataclasses.replace(st.csa, index=index)
-    return dataclasses.replace(st, block_table=jnp.asarray(bt), csa=csa)
+    st = dataclasses.replace(st, block_table=jnp.asarray(bt))
+    return with_index_keys(st, packed, scale)
+
+
+def with_index_keys(st, packed=None, scale=None):
+    """`st` with its CSA indexer keys replaced: packed u8 codes and/or scale
+    bytes (numpy u8, viewed as e8m0)."""
+    packed = st.csa.index.packed if packed is None else jnp.asarray(packed)
+    scale = (st.csa.index.scale if scale is None
+             else jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))
+    return dataclasses.replace(st, csa=dataclasses.replace(
+        st.csa, index=D.IndexerKeys(packed, scale)))
 
 
 def random_blocks(rng, cfg, slots):
@@ -246,8 +254,7 @@ def test_exact_ties_lower_index_first(impl, q_format):
         scale[0][cell(i)] = scale[0][src]
     for i in range(60, 70):
         packed[0][cell(i)] = 0
-    st = dataclasses.replace(st, csa=dataclasses.replace(st.csa, index=D.IndexerKeys(
-        jnp.asarray(packed), jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
+    st = with_index_keys(st, packed, scale)
     q, w = queries(rng, 3)
     w[2] = -np.abs(w[2])           # token 2: all weights negative: zero keys rank high
     slot = np.array([0, 0, 0], np.int32)
@@ -477,11 +484,6 @@ def test_handler_scores_bit_exact(impl, q_format):
         np.testing.assert_array_equal(scratch[t, :len(want)], want)
 
 
-def with_key_scales(st, scale):
-    return dataclasses.replace(st, csa=dataclasses.replace(st.csa, index=D.IndexerKeys(
-        st.csa.index.packed, jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
-
-
 def key_fast(sbytes):
     """The key guard of the fast form (dsv4/indexer.h), per entry."""
     m = sbytes.min(-1)
@@ -512,7 +514,7 @@ def test_mxfp4_fast_form_guards(impl):
     spread[:, 5, 7, :3] = [0, 0, 4]                          # one entry of a tile: slow tile
     spread[:, 9, :, 1] = 4 * rng.integers(0, 2, shape[2])    # about half the entries
     scale = (base[..., None] + spread).astype(np.uint8)
-    st = with_key_scales(st, scale)
+    st = with_index_keys(st, scale=scale)
     kf = key_fast(scale[1].astype(np.int64))
     assert kf[[0, 1, 2, 6, 7]].all() and not kf[5].all() and 0 < kf[[3, 4, 9]].mean() < 1
 
@@ -549,8 +551,7 @@ def few_distinct_keys(rng, st, n_distinct=6):
     src_s = rng.integers(123, 130, (n_distinct, 4), dtype=np.uint8)
     packed[...] = src_p[pick]
     scale[...] = src_s[pick]
-    return dataclasses.replace(st, csa=dataclasses.replace(st.csa, index=D.IndexerKeys(
-        jnp.asarray(packed), jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
+    return with_index_keys(st, packed, scale)
 
 
 @pytest.mark.parametrize("q_format", Q_FORMATS)
@@ -610,8 +611,7 @@ def test_large_key_scales(impl, q_format):
                                                         1: list(range(16))})
     scale = rng.integers(228, 241, np.asarray(st.csa.index.scale).shape, dtype=np.uint8)
     scale[:, :8] = rng.integers(228, 232, scale[:, :8].shape)    # blocks 0..7: fast tiles only
-    st = dataclasses.replace(st, csa=dataclasses.replace(st.csa, index=D.IndexerKeys(
-        st.csa.index.packed, jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))))
+    st = with_index_keys(st, scale=scale)
     slot = np.array([0, 1, 1], np.int32)
     pos = np.array([1023, 2047, 700], np.int32)
     q, w = queries(rng, 3)
