@@ -104,9 +104,8 @@ __device__ void StoreIndexKey(const FlushArgs& a, int64_t e, float* ix) {
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1)
       amax = num::MaxF(amax, __shfl_xor_sync(cuda::kFull, amax, off));
-    const uint8_t sb = num::Pow2CeilE8m0(amax / num::kE2m1Max);
-    const float s = num::E8m0ToF32(sb);
-    const uint32_t code = num::F32ToE2m1(num::Clamp(v / s, num::kE2m1Max));
+    const uint8_t sb = num::Mxfp4ScaleByte(amax);
+    const uint32_t code = num::Mxfp4Encode(v, num::E8m0Inverse(sb));
     const uint32_t odd = __shfl_down_sync(cuda::kFull, code, 1);
     if ((lane & 1) == 0)
       a.index_packed[e * kIndexPacked + 16 * blk + (lane >> 1)] =

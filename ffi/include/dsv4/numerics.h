@@ -79,21 +79,19 @@ DSV4_HD bool RowIsFinite(const float* f32, int64_t n) {
 DSV4_HD float NegInf() { return BitsFloat(0xff800000u); }
 DSV4_HD float AbsF(float f) { return BitsFloat(FloatBits(f) & 0x7fffffffu); }
 // max that ignores a NaN operand (as fmaxf): a NaN input never becomes amax.
+// Selects, not branches: a GPU compiles them without divergence.
 DSV4_HD float MaxF(float a, float b) {
-  if (IsNan(a)) return b;
-  if (IsNan(b)) return a;
-  return a > b ? a : b;
+  const float m = a > b ? a : b;
+  return IsNan(a) ? b : IsNan(b) ? a : m;
 }
 DSV4_HD float MinF(float a, float b) {
-  if (IsNan(a)) return b;
-  if (IsNan(b)) return a;
-  return a < b ? a : b;
+  const float m = a < b ? a : b;
+  return IsNan(a) ? b : IsNan(b) ? a : m;
 }
 // clamp to [-lim, lim]; NaN stays NaN.
 DSV4_HD float Clamp(float x, float lim) {
-  if (x > lim) return lim;
-  if (x < -lim) return -lim;
-  return x;
+  const float hi = x > lim ? lim : x;
+  return x < -lim ? -lim : hi;
 }
 
 // ---- bf16 -----------------------------------------------------------------
@@ -171,6 +169,16 @@ DSV4_HD float E8m0ToF32(uint8_t b) {
   return BitsFloat(static_cast<uint32_t>(b) << 23);
 }
 
+// 1 / E8m0ToF32(b) = 2^(127 - b), a float for every byte (2^-127 subnormal;
+// NaN for 0xff). x * E8m0Inverse(b) == x / E8m0ToF32(b) bit for bit: both
+// round the same real number once (denormals kept), and a multiply is
+// cheaper than a division.
+DSV4_HD float E8m0Inverse(uint8_t b) {
+  if (b == 0xff) return BitsFloat(0x7fc00000u);
+  if (b == 0xfe) return BitsFloat(0x00400000u);
+  return BitsFloat(static_cast<uint32_t>(0xfe - b) << 23);
+}
+
 // ---- e2m1 (fp4: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 = codes 0-7, sign bit 3) --
 constexpr float kE2m1Max = 6.f;
 
@@ -179,19 +187,13 @@ constexpr float kE2m1Max = 6.f;
 // |x| > 6 and +-inf saturate to 6; the sign bit follows the fp32 sign (so
 // -0 -> 0x8). The format has no NaN: NaN gives 0x8, as ml_dtypes does.
 DSV4_HD uint8_t F32ToE2m1(float f) {
-  if (IsNan(f)) return 8;
-  uint8_t sign = (FloatBits(f) & 0x80000000u) ? 8 : 0;
-  float a = AbsF(f);
-  uint8_t code;
-  if (a <= 0.25f) code = 0;
-  else if (a < 0.75f) code = 1;
-  else if (a <= 1.25f) code = 2;
-  else if (a < 1.75f) code = 3;
-  else if (a <= 2.5f) code = 4;
-  else if (a < 3.5f) code = 5;
-  else if (a <= 5.f) code = 6;
-  else code = 7;
-  return static_cast<uint8_t>(sign | code);
+  const uint32_t sign = (FloatBits(f) & 0x80000000u) ? 8u : 0u;
+  const float a = AbsF(f);
+  // the number of code boundaries below a (a boundary tie stays with the
+  // even code): selects, no branches, so a GPU warp does not diverge
+  const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                        (a >= 3.5f) + (a > 5.f);
+  return static_cast<uint8_t>(IsNan(f) ? 8u : sign | code);
 }
 
 DSV4_HD float E2m1ToF32(uint8_t c) {
@@ -239,15 +241,18 @@ DSV4_HD float QuantizeFp8Token(const float* x, int n, uint8_t* codes) {
 // threads (MaxF is associative, so any order of the amax gives the same byte).
 DSV4_HD float Mxfp4AmaxFloor() { return 6.f * BitsFloat(0x00800000u); }  // 6 * 2^-126
 DSV4_HD uint8_t Mxfp4ScaleByte(float amax) { return Pow2CeilE8m0(amax / kE2m1Max); }
-DSV4_HD uint8_t Mxfp4Code(float x, float s) { return F32ToE2m1(Clamp(x / s, kE2m1Max)); }
+// The code of x in a block of scale byte sb, given inv_scale = E8m0Inverse(sb).
+DSV4_HD uint8_t Mxfp4Encode(float x, float inv_scale) {
+  return F32ToE2m1(Clamp(x * inv_scale, kE2m1Max));
+}
 
 // Codes are returned one per byte (low nibble); packing is the caller's.
 DSV4_HD uint8_t QuantizeMxfp4Block(const float* x, int n, uint8_t* codes) {
   float amax = Mxfp4AmaxFloor();
   for (int i = 0; i < n; ++i) amax = MaxF(amax, AbsF(x[i]));
   uint8_t sb = Mxfp4ScaleByte(amax);
-  float s = E8m0ToF32(sb);
-  for (int i = 0; i < n; ++i) codes[i] = Mxfp4Code(x[i], s);
+  const float inv = E8m0Inverse(sb);
+  for (int i = 0; i < n; ++i) codes[i] = Mxfp4Encode(x[i], inv);
   return sb;
 }
 
