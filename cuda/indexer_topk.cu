@@ -10,9 +10,9 @@
 //     registers and computes the score in the fixed order (the split kernel:
 //     4 lanes per entry, one 32-channel block each); it stores the rank key
 //     (0 for an entry of a missing block).
-//     With q_format "mxfp4": QuantizeQueryKernel then ScoreKernelMxfp4
-//     (int8 dot products on the tensor cores, keys streamed through a
-//     cp.async ring; see below).
+//     With q_format "mxfp4": ScoreKernelMxfp4 (each CTA rounds q to MXFP4
+//     itself, int8 dot products on the tensor cores, keys streamed through
+//     a cp.async ring; see below).
 //  2. SelectKernel, one block of 1024 threads per token, the token's keys in
 //     registers when they fit (16 a thread): an MSB-first radix select
 //     (passes of 8 bits from the top bit where the keys differ) finds the
@@ -22,6 +22,7 @@
 //     descending, index ascending).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -207,30 +208,40 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
 }
 
 // ---- q_format "mxfp4": dot products on the int8 tensor cores ------------------
-// QuantizeQueryKernel rounds each token's q to MXFP4 once into qscratch: the
-// int8 codes (twice the e2m1 value) as MMA B operands, the factors Q, and the
-// fast form's shifted codes and wq (dsv4/indexer.h). ScoreKernelMxfp4 gives
-// each warp tiles of 16 consecutive entries (a logical block holds two tiles,
-// so a tile needs one block-table read). With mma.m16n8k32 s8 x s8 -> s32 over
-// 8 heads at a time:
-//  - fast tiles (the token's heads and the tile's keys within the guards of
+// One kernel, ScoreKernelMxfp4. Each CTA first rounds its token's q to
+// MXFP4 into shared memory (QueryOperands, while its first key tiles load):
+// the int8 codes (twice the e2m1 value) and factors Q of the per-block form,
+// the fast form's shifted codes, wq and accumulator starts (dsv4/indexer.h).
+// qscratch is left alone on CUDA: 16 KB of q per CTA is cheaper to round
+// again than a launch.
+// ScoreKernelMxfp4 gives each warp tiles of 32 entries, one logical block
+// (2 KB of packed keys and 128 B of scale bytes, each contiguous: one
+// block-table read, a plain copy into shared memory). mma.m16n8k32 covers 16
+// entries and 8 heads; a tile is two row halves of 16.
+//  - Fast tiles (the token's heads and the tile's keys within the guards of
 //    the fast form): key codes shifted by their block's sk, one MMA chain
-//    over all 128 channels gives A per (entry, head); the accumulator starts
-//    at 2^23, so its bits read as a float are 2^23 + A for A >= 0 and below
-//    2^23 otherwise, and fma(max(bits, 2^23), wq, -2^23 wq) = fl(wq relu(A))
-//    in two instructions;
-//  - other tiles, per block b: S from one MMA (accumulator from 1.5 * 2^23,
-//    one fma gives u = fl(S K) while that constant is finite: key scale bytes
-//    1 to 231, else subtract then multiply), then the fma chain of d.
-// Channels are permuted identically in both operands (lane c of a quad holds
-// channels 8c..8c+7 of a block, 4 consecutive packed key bytes); an integer
-// sum does not care. Heads are placed so that lane c of a quad holds heads
-// 16c..16c+15 (n-tile j, column 2c + p: head 16c + 2j + p): levels 1-4 of the
-// head tree stay in the lane, levels 5 and 6 are two shuffles.
-constexpr int kQuantThreads = 256;                           // 32 (head, block) pairs
+//    over all 128 channels gives A per (entry, head). The key operand is
+//    unsigned, 128 + code (three instructions a word, no sign to handle), so
+//    the chain adds A + 128 * sum(q): it starts from the bits of 2^23 less
+//    128 * sum(q) of the head and ends at the bits of 2^23 + A. As a float
+//    that is 2^23 + A for A >= 0 and below 2^23 otherwise, so
+//    fma(max(bits, 2^23), wq, -2^23 wq) = fl(wq relu(A)) in two instructions.
+//  - Other tiles, per row half and block b: S from one s8 x s8 MMA
+//    (accumulator from 1.5 * 2^23; one fma gives u = fl(S K) while that
+//    constant is finite: key scale bytes 1 to 231, else subtract then
+//    multiply), then the fma chain of d.
+// Channels are permuted identically in both operands of a form (an integer
+// sum does not care): in the fast form lane c of a quad holds block c of a
+// key row (its 16 bytes: one shared-memory read, one shift sk) and k-step kk
+// its channels 8kk..8kk+7; in the per-block form k-step b is block b and
+// lane c holds its channels 8c..8c+7. Heads are placed so that lane c of a
+// quad holds heads 16c..16c+15 (n-tile j, column 2c + p: head 16c + 2j + p):
+// levels 1-4 of the head tree stay in the lane, levels 5 and 6 take three
+// shuffles for the lane's four rows (lane c ends with row g + 8c).
 constexpr int kMmaThreads = 128;
 constexpr int kMmaWarps = kMmaThreads / 32;
-constexpr int kTile = 16;                                    // entries per warp tile
+constexpr int kTile = 32;                                    // entries per warp tile
+static_assert(kTile == kPerBlock, "a tile is one logical block");
 constexpr int kMaxTilesPerWarp = 32;
 constexpr int kScoreCtasPerSm = 3;
 constexpr uint32_t kBlockMagicBits = 0x4B400000u;            // 1.5 * 2^23
@@ -240,82 +251,73 @@ constexpr float kFastMagic = 8388608.f;
 constexpr uint32_t kFmaScaleMax = 231;
 constexpr int kFragWords = kQueryCodeBytes / 16;             // uint4 per code region
 
-// The uint32 of a code region holding head h, channels 32b + 4r .. + 3: the
-// B operands of the MMA in fragment order, a uint4 per (n-tile j, block pair,
+// Per-block form: the uint32 of the code region holding head h, channels
+// 32b + 4r .. + 3, in fragment order: a uint4 per (n-tile j, block pair,
 // lane) with .xy for the even block and .zw for the odd one.
-__device__ __forceinline__ int QueryFragWord(int h, int b, int r) {
+__device__ __forceinline__ int BlockFragWord(int h, int b, int r) {
   const int j = (h % 16) / 2, n = 2 * (h / 16) + h % 2;
   return 4 * ((j * 2 + b / 2) * 32 + n * 4 + r / 2) + 2 * (b % 2) + r % 2;
 }
 
-// Eight lanes per (head, block), four channels each: the block's amax by
-// shuffles, then every lane codes its four values and stores them as one
-// word of each code region. A warp holds one head's four blocks, so the
-// head's fast-form guards are shuffles too. Grid (T, 8).
-__global__ void __launch_bounds__(kQuantThreads) QuantizeQueryKernel(IndexerTopkArgs a) {
-  const int64_t t = blockIdx.x;
-  const TokenInfo ti = ReadToken(a, t);
-  if (!ti.ok || ti.n == 0) return;
-  const int pair = blockIdx.y * (kQuantThreads / 8) + threadIdx.x / 8;
-  const int h = pair / kIndexScales, b = pair % kIndexScales, r = threadIdx.x % 8;
-  const uint2 raw = *reinterpret_cast<const uint2*>(
-      a.q + (t * kIndexHeads + h) * kIndexDim + b * kMxfp4Block + 4 * r);
-  const float x[4] = {num::BitsFloat(raw.x << 16), num::BitsFloat(raw.x & 0xffff0000u),
-                      num::BitsFloat(raw.y << 16), num::BitsFloat(raw.y & 0xffff0000u)};
-  float amax = num::Mxfp4AmaxFloor();
-#pragma unroll
-  for (int v = 0; v < 4; ++v) amax = num::MaxF(amax, num::AbsF(x[v]));
-#pragma unroll
-  for (int o = 1; o < 8; o <<= 1) amax = num::MaxF(amax, __shfl_xor_sync(cuda::kFull, amax, o));
-  const uint32_t sb = num::Mxfp4ScaleByte(amax);
-  const float s = num::E8m0ToF32(static_cast<uint8_t>(sb));
-  uint32_t mq = sb, maxq = sb;
-#pragma unroll
-  for (int o = 8; o < 32; o <<= 1) {
-    mq = min(mq, __shfl_xor_sync(cuda::kFull, mq, o));
-    maxq = max(maxq, __shfl_xor_sync(cuda::kFull, maxq, o));
-  }
-  const float wq = IndexQueryFastWeight(mq, maxq, a.weights[t * kIndexHeads + h]);
-  const int sq = num::IsNan(wq) ? 0 : static_cast<int>(sb - mq);
-  uint32_t word = 0, shifted = 0;
-#pragma unroll
-  for (int v = 0; v < 4; ++v) {
-    const int code = E2m1Twice(num::Mxfp4Code(x[v], s));
-    word |= static_cast<uint32_t>(static_cast<uint8_t>(code)) << (8 * v);
-    shifted |= static_cast<uint32_t>(static_cast<uint8_t>(code * (1 << sq))) << (8 * v);
-  }
-  uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
-  const int at = QueryFragWord(h, b, r);
-  reinterpret_cast<uint32_t*>(qs)[at] = word;
-  reinterpret_cast<uint32_t*>(qs + kQueryShiftedOffset)[at] = shifted;
-  if (r == 0) reinterpret_cast<float*>(qs + kQueryFactorOffset)[b * kIndexHeads + h] = IndexQueryFactor(sb);
-  if ((threadIdx.x & 31) == 0) reinterpret_cast<float*>(qs + kQueryWqOffset)[h] = wq;
+// Fast form: block b in quad lane b, k-step kk = r / 2 (a uint4 per (n-tile
+// j, k-step pair, lane): .xy the even k-step, .zw the odd one).
+__device__ __forceinline__ int FastFragWord(int h, int b, int r) {
+  const int j = (h % 16) / 2, n = 2 * (h / 16) + h % 2, kk = r / 2;
+  return 4 * ((j * 2 + kk / 2) * 32 + n * 4 + b) + 2 * (kk % 2) + r % 2;
 }
 
-// Eight e2m1 codes (code k in bits 4k..4k+3) -> eight int8 holding twice
-// their values times 2^shift (shift <= 3: |value| <= 96), as two words (codes
-// 0-3, codes 4-7). Magnitudes by a byte permute of an 8-entry table, shifted
-// (no byte overflows), negated bytewise ((0x80 - m) ^ 0x80 = -m mod 256, no
-// borrow for m <= 0x80), then a permute picks by the sign bit.
-__device__ __forceinline__ void E2m1x8ToInt8(uint32_t w, uint32_t shift, uint32_t* lo,
-                                             uint32_t* hi) {
+__device__ __forceinline__ uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// Per-block form. Eight e2m1 codes (code k in bits 4k..4k+3) -> eight int8
+// holding twice their values, as two words (codes 0-3, codes 4-7).
+// Magnitudes by a byte permute of an 8-entry table, negated bytewise
+// ((0x80 - m) ^ 0x80 = -m mod 256, no borrow for m <= 0x80), then a permute
+// picks by the sign bit.
+__device__ __forceinline__ void E2m1x8ToInt8(uint32_t w, uint32_t* lo, uint32_t* hi) {
   const uint32_t sel = w & 0x77777777u;
   const uint32_t pick = ((w >> 1) & 0x44444444u) | 0x32103210u;   // +4: the negated word
-  const uint32_t pl = __byte_perm(0x03020100u, 0x0C080604u, sel) << shift;   // 0 1 2 3 | 4 6 8 12
-  const uint32_t ph = __byte_perm(0x03020100u, 0x0C080604u, sel >> 16) << shift;
+  const uint32_t pl = Prmt(0x03020100u, 0x0C080604u, sel);          // 0 1 2 3 | 4 6 8 12
+  const uint32_t ph = Prmt(0x03020100u, 0x0C080604u, sel >> 16);
   const uint32_t nl = (0x80808080u - pl) ^ 0x80808080u, nh = (0x80808080u - ph) ^ 0x80808080u;
-  *lo = __byte_perm(pl, nl, pick);
-  *hi = __byte_perm(ph, nh, pick >> 16);
+  *lo = Prmt(pl, nl, pick);
+  *hi = Prmt(ph, nh, pick >> 16);
 }
 
-// d = A * B + C, C given as four words (s32, or the bits of a magic start).
-__device__ __forceinline__ void MmaS8(uint32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                      uint32_t b1, const uint32_t (&c)[4]) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%10,%11,%12,%13};"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]),
-        "r"(c[2]), "r"(c[3]));
+// Fast form. Eight e2m1 codes -> eight bytes 128 + twice their value times
+// 2^sk, as two words. t0, t1: the magnitude table 0 1 2 3 | 4 6 8 12 shifted
+// by sk (at most 96). A byte permute with the code as its selector gives the
+// magnitude of a positive code and 0 for a negative one (selector bit 3
+// copies the table byte's sign bit, 0); with bit 3 flipped, the reverse.
+// 0x80 + positive - negative lies in [32, 224] per byte: nothing carries or
+// borrows across bytes.
+__device__ __forceinline__ void E2m1x8ToBiased(uint32_t w, uint32_t t0, uint32_t t1,
+                                               uint32_t* lo, uint32_t* hi) {
+  const uint32_t wn = w ^ 0x88888888u;
+  *lo = Prmt(t0, t1, w) + 0x80808080u - Prmt(t0, t1, wn);
+  *hi = Prmt(t0, t1, w >> 16) + 0x80808080u - Prmt(t0, t1, wn >> 16);
+}
+
+// d = A * B + C, C given as four words (s32, or the bits of a magic start);
+// A unsigned (the fast form's biased keys) or signed.
+template <bool kUnsignedA>
+__device__ __forceinline__ void Mma(uint32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1, const uint32_t (&c)[4]) {
+  if (kUnsignedA)
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]),
+          "r"(c[2]), "r"(c[3]));
+  else
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]),
+          "r"(c[2]), "r"(c[3]));
 }
 
 // d > 0 ? d : 0 (NaN -> 0) in one instruction. fmaxf may return -0 for
@@ -323,66 +325,92 @@ __device__ __forceinline__ void MmaS8(uint32_t (&d)[4], const uint32_t (&a)[4], 
 // rank key treats -0 as +0, so the keys equal the definition's.
 __device__ __forceinline__ float Relu(float d) { return fmaxf(d, 0.f); }
 
-// Levels 2..6 of the head tree from level 1: p[j] = heads 16c + 2j, +1 of
-// lane c of the quad. a + b == b + a in IEEE arithmetic, so every lane of the
-// quad returns the full sum.
+// Levels 2..4 of the head tree (in the lane) from level 1: p[j] = heads
+// 16c + 2j, +1 of quad lane c.
 __device__ __forceinline__ float LaneHeadTree(const float (&p)[8]) {
-  const float l4 = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-  const float l5 = l4 + __shfl_xor_sync(cuda::kFull, l4, 1);
-  return l5 + __shfl_xor_sync(cuda::kFull, l5, 2);
+  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
 }
 
-// Key bytes of one tile for this lane (rows g and g + 8, channels 8c.. of
-// each block) and their scale words.
-struct TileKeys {
-  uint32_t kg[4], kh[4], sg, sh;
-};
+// Levels 5 and 6 for the lane's rows g + 8h (h = 0..3); returns the sum of
+// row g + 8c. Level 5 adds lanes c and c ^ 1 (lane c keeps rows h = c mod 2
+// and c mod 2 + 2), level 6 lanes c and c ^ 2. a + b == b + a in IEEE
+// arithmetic, so which lane adds does not matter.
+__device__ __forceinline__ float QuadHeadTree(const float (&l4)[4], int c) {
+  const bool odd = c & 1, high = c & 2;
+  const float keep0 = odd ? l4[1] : l4[0], send0 = odd ? l4[0] : l4[1];
+  const float keep1 = odd ? l4[3] : l4[2], send1 = odd ? l4[2] : l4[3];
+  const float l5a = keep0 + __shfl_xor_sync(cuda::kFull, send0, 1);   // row h = c mod 2
+  const float l5b = keep1 + __shfl_xor_sync(cuda::kFull, send1, 1);   // row h = c mod 2 + 2
+  return (high ? l5b : l5a) + __shfl_xor_sync(cuda::kFull, high ? l5a : l5b, 2);
+}
 
-// Fast form: level-1 head sums of rows g (pg) and g + 8 (ph), before the
-// factor Kf. wq[j] = (wq, wq, -2^23 wq, -2^23 wq) of heads 16c + 2j, +1.
+// Fast form: level-1 head sums p[h][j] of rows g + 8h (heads 16c + 2j, +1),
+// before the factor Kf. keys[h]: block c of row g + 8h (word kk: k-step kk);
+// tab[h]: its magnitude table. wq[4j] = (wq, wq', -2^23 wq, -2^23 wq') and
+// start[4j] = (S, S', S, S'), the accumulator starts, of heads 16c + 2j, +1.
 __device__ __forceinline__ void FastTileSums(const uint4* bfrag, const float4* wq,
-                                             const TileKeys& k,
-                                             uint32_t shift_g, uint32_t shift_h, float (&pg)[8],
-                                             float (&ph)[8]) {
-  uint32_t acc[8][4];
+                                             const uint4* start, const uint4 (&keys)[4],
+                                             const uint2 (&tab)[4], float (&p)[4][8]) {
+  uint32_t acc[2][8][4];   // [row half][n-tile][fragment]
 #pragma unroll
   for (int bp = 0; bp < 2; ++bp) {
-    uint32_t a[2][4];
+    uint32_t a[2][2][4];   // [row half][k-step of the pair][fragment]
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int b = 2 * bp + e;
-      E2m1x8ToInt8(k.kg[b], (shift_g >> (8 * b)) & 255u, &a[e][0], &a[e][2]);
-      E2m1x8ToInt8(k.kh[b], (shift_h >> (8 * b)) & 255u, &a[e][1], &a[e][3]);
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint4& k0 = keys[2 * t];
+        const uint4& k1 = keys[2 * t + 1];
+        const uint32_t w0 = bp == 0 ? (e == 0 ? k0.x : k0.y) : (e == 0 ? k0.z : k0.w);
+        const uint32_t w1 = bp == 0 ? (e == 0 ? k1.x : k1.y) : (e == 0 ? k1.z : k1.w);
+        E2m1x8ToBiased(w0, tab[2 * t].x, tab[2 * t].y, &a[t][e][0], &a[t][e][2]);
+        E2m1x8ToBiased(w1, tab[2 * t + 1].x, tab[2 * t + 1].y, &a[t][e][1], &a[t][e][3]);
+      }
     }
-    // eight independent accumulators between an MMA and the next on the same one
+    // sixteen independent accumulators between an MMA and the next on the same one
     uint4 bq[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) bq[j] = bfrag[(j * 2 + bp) * 32];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      if (bp == 0) {
-        const uint32_t start[4] = {kFastMagicBits, kFastMagicBits, kFastMagicBits, kFastMagicBits};
-        MmaS8(acc[j], a[0], bq[j].x, bq[j].y, start);
-      } else {
-        MmaS8(acc[j], a[0], bq[j].x, bq[j].y, acc[j]);
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        if (bp == 0) {
+          const uint4 s = start[4 * j];
+          const uint32_t c0[4] = {s.x, s.y, s.z, s.w};
+          Mma<true>(acc[t][j], a[t][0], bq[j].x, bq[j].y, c0);
+        } else {
+          Mma<true>(acc[t][j], a[t][0], bq[j].x, bq[j].y, acc[t][j]);
+        }
       }
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) MmaS8(acc[j], a[1], bq[j].z, bq[j].w, acc[j]);
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int t = 0; t < 2; ++t) Mma<true>(acc[t][j], a[t][1], bq[j].z, bq[j].w, acc[t][j]);
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float m = kFastMagic;
-    const float4 f = wq[j];
-    pg[j] = fmaf(fmaxf(__uint_as_float(acc[j][0]), m), f.x, f.z) +
-            fmaf(fmaxf(__uint_as_float(acc[j][1]), m), f.y, f.w);
-    ph[j] = fmaf(fmaxf(__uint_as_float(acc[j][2]), m), f.x, f.z) +
-            fmaf(fmaxf(__uint_as_float(acc[j][3]), m), f.y, f.w);
+    const float4 f = wq[4 * j];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      p[2 * t][j] = fmaf(fmaxf(__uint_as_float(acc[t][j][0]), m), f.x, f.z) +
+                    fmaf(fmaxf(__uint_as_float(acc[t][j][1]), m), f.y, f.w);
+      p[2 * t + 1][j] = fmaf(fmaxf(__uint_as_float(acc[t][j][2]), m), f.x, f.z) +
+                        fmaf(fmaxf(__uint_as_float(acc[t][j][3]), m), f.y, f.w);
+    }
   }
 }
 
-// Per-block form: level-1 head sums of rows g and g + 8 (the definition's
-// order). bfrag: the unshifted codes (global memory: rare tiles only).
+// Key bytes of one row half for this lane in the per-block form (rows g and
+// g + 8 of the half, channels 8c.. of each block) and their scale words.
+struct TileKeys {
+  uint32_t kg[4], kh[4], sg, sh;
+};
+
+// Per-block form: level-1 head sums of rows g and g + 8 of a row half (the
+// definition's order). bfrag: the unshifted codes.
 template <bool kFmaScale>
 __device__ __forceinline__ void BlockTileSums(const uint4* bfrag,
                                               const float2 (*qf_s)[kIndexHeads / 2],
@@ -392,8 +420,8 @@ __device__ __forceinline__ void BlockTileSums(const uint4* bfrag,
 #pragma unroll
   for (int b = 0; b < kIndexScales; ++b) {
     uint32_t a[4];
-    E2m1x8ToInt8(k.kg[b], 0, &a[0], &a[2]);
-    E2m1x8ToInt8(k.kh[b], 0, &a[1], &a[3]);
+    E2m1x8ToInt8(k.kg[b], &a[0], &a[2]);
+    E2m1x8ToInt8(k.kh[b], &a[1], &a[3]);
     // scale bytes 1..231: 2^(byte - 127) is the byte as an exponent
     const float Kg = kFmaScale ? __uint_as_float(((k.sg >> (8 * b)) & 255u) << 23)
                                : num::E8m0ToF32(static_cast<uint8_t>(k.sg >> (8 * b)));
@@ -404,8 +432,8 @@ __device__ __forceinline__ void BlockTileSums(const uint4* bfrag,
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       uint32_t d[4];
-      const uint4 bq = __ldg(bfrag + (j * 2 + b / 2) * 32);
-      MmaS8(d, a, b % 2 ? bq.z : bq.x, b % 2 ? bq.w : bq.y, start);
+      const uint4 bq = bfrag[(j * 2 + b / 2) * 32];
+      Mma<false>(d, a, b % 2 ? bq.z : bq.x, b % 2 ? bq.w : bq.y, start);
       const float2 Q = qf_s[b][8 * c + j];
       float u[4];
       if (kFmaScale) {
@@ -447,14 +475,16 @@ __device__ __forceinline__ bool FmaScales(uint32_t s) {
 }
 
 // ---- key tiles: a cp.async ring per warp ----
-// A tile in shared memory: 16 packed keys at a stride of 80 bytes (64 + 16 of
-// padding: row g starts at bank 20g mod 32, so the 32 lanes' 4-byte reads of
-// one block, rows g = 0..7 and quad lanes c, hit 32 distinct banks), then the
-// 16 scale words.
+// A tile in shared memory: the block's 32 packed keys (64 bytes each, rows
+// g and g + 1 of a quarter warp's 16-byte reads fill 32 distinct banks),
+// then its 32 scale words.
 constexpr int kStages = 4;                                   // tiles in flight per warp
-constexpr int kRowWords = 20;
-constexpr int kScaleWord = kTile * kRowWords;                // 320
-constexpr int kTileWords = kScaleWord + kTile;               // 336
+constexpr int kRowWords = kIndexPacked / 4;                  // 16
+constexpr int kScaleWord = kTile * kRowWords;                // 512
+constexpr int kTileWords = kScaleWord + kTile;               // 544
+constexpr int64_t kBlockKeyBytes = static_cast<int64_t>(kPerBlock) * kIndexPacked;     // 2048
+constexpr int64_t kBlockScaleBytes = static_cast<int64_t>(kPerBlock) * kIndexScales;   // 128
+constexpr int kRingBytes = kMmaWarps * kStages * kTileWords * 4;                      // dynamic
 
 __device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
@@ -465,134 +495,220 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
-// A warp's view of its tiles. Tiles are 16-aligned runs of one logical block
-// and a warp's tiles lie 64 entries apart, so the offset within the block is
-// the same for all of them: a tile's addresses are a per-lane constant plus
-// the block's base.
+// A warp's view of its tiles: lane L copies 16-byte chunks L, L + 32, L + 64
+// and L + 96 of the keys and (lanes 0-7) chunk L of the scales.
 struct TileStream {
-  const uint8_t* packed;     // layer's packed keys + this lane's first chunk of a tile
-  const uint8_t* scale;      // layer's scale bytes + this lane's 16 bytes (lanes 0-3)
-  uint32_t dst0, dst1, dst_s;   // shared addresses in stage 0 (stages kTileWords * 4 apart)
+  const uint8_t* packed;     // layer's packed keys + this lane's first chunk
+  const uint8_t* scale;      // layer's scale bytes + this lane's chunk
+  uint32_t dst;              // this lane's shared address in stage 0
   int64_t N;
 
-  // Starts the copy of a tile of `block` into `stage`; nothing for a missing block.
+  // Starts the copy of `block` into `stage`; nothing for a missing block.
   __device__ __forceinline__ void Issue(int32_t block, int stage, int lane) const {
     if (block < 0 || block >= N) return;
-    const uint32_t off = static_cast<uint32_t>(stage) * kTileWords * 4;
-    const uint8_t* src = packed + static_cast<int64_t>(block) * (kPerBlock * kIndexPacked);
-    CpAsync16(dst0 + off, src);
-    CpAsync16(dst1 + off, src + 512);
-    if (lane < 4) CpAsync16(dst_s + off, scale + static_cast<int64_t>(block) * (kPerBlock * kIndexScales));
+    const uint32_t d = dst + static_cast<uint32_t>(stage) * kTileWords * 4;
+    const uint8_t* src = packed + static_cast<int64_t>(block) * kBlockKeyBytes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) CpAsync16(d + 512 * i, src + 512 * i);
+    if (lane < 8) CpAsync16(d + kScaleWord * 4, scale + static_cast<int64_t>(block) * kBlockScaleBytes);
   }
 };
 
-// One CTA: one token, kMmaWarps * tiles_per_warp * 16 consecutive entries;
-// warp w takes tiles w, w + 4, ..., keeping kStages - 1 of them in flight.
-// Three resident CTAs a multiprocessor (160 registers, no spills; capping
-// registers at 128 for four measured the same on the H100).
+// A tile in the per-block form: levels 1-4 of the head tree of the lane's
+// rows g + 8h. Out of line: rare, and its registers stay out of the fast
+// path's.
+__device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfrag,
+                                           const float2 (*qf_s)[kIndexHeads / 2],
+                                           const float2* w_s, int g, int c) {
+  float l4[4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    TileKeys cur;
+    const uint32_t* rg = st + (g + 16 * half) * kRowWords + c;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      cur.kg[b] = rg[4 * b];
+      cur.kh[b] = rg[8 * kRowWords + 4 * b];
+    }
+    cur.sg = st[kScaleWord + g + 16 * half];
+    cur.sh = st[kScaleWord + g + 8 + 16 * half];
+    float pg[8], ph[8];
+    if (__all_sync(cuda::kFull, FmaScales(cur.sg) && FmaScales(cur.sh)))
+      BlockTileSums<true>(bfrag, qf_s, w_s, cur, c, pg, ph);
+    else
+      BlockTileSums<false>(bfrag, qf_s, w_s, cur, c, pg, ph);
+    l4[2 * half] = LaneHeadTree(pg);
+    l4[2 * half + 1] = LaneHeadTree(ph);
+  }
+  return make_float4(l4[0], l4[1], l4[2], l4[3]);
+}
+
+// The token's query as the MMAs read it, in shared memory: the MXFP4
+// rounding of q (dsv4/indexer.h) in both fragment orders, the per-block
+// factors and weights, and the fast form's wq and accumulator starts. The
+// fast-form constants of heads 16c + 2j, +1 sit at index 4j + c, so the four
+// quad lanes' 16-byte reads of one j fall in distinct banks.
+struct QueryOperands {
+  uint4 fast[kFragWords];                    // shifted codes, fast fragment order
+  uint4 block[kFragWords];                   // codes, per-block fragment order
+  float2 qf[kIndexScales][kIndexHeads / 2];  // Q[b][h], two heads a float2
+  float2 w[kIndexHeads / 2];
+  float4 wq[kIndexHeads / 2];                // wq, wq', -2^23 wq, -2^23 wq'
+  uint4 start[kIndexHeads / 2];              // S, S', S, S'
+};
+
+// One (head h, block b) of the token's query into `qo`: the block's scale
+// byte, its 32 codes and (with the head's other three blocks, in lanes
+// 4(h mod 8) + b of this warp) the head's fast-form guards and code sum.
+// Returns whether the head is within the guards.
+__device__ bool QuantizeQueryPair(const uint16_t* qhb, float w, int h, int b,
+                                  QueryOperands& qo) {
+  float x[kMxfp4Block];
+#pragma unroll
+  for (int i = 0; i < kMxfp4Block / 8; ++i) {
+    const uint4 raw = reinterpret_cast<const uint4*>(qhb)[i];
+    const uint32_t v[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      x[8 * i + 2 * e] = num::BitsFloat(v[e] << 16);
+      x[8 * i + 2 * e + 1] = num::BitsFloat(v[e] & 0xffff0000u);
+    }
+  }
+  float amax = num::Mxfp4AmaxFloor();
+#pragma unroll
+  for (int v = 0; v < kMxfp4Block; ++v) amax = num::MaxF(amax, num::AbsF(x[v]));
+  const uint32_t sb = num::Mxfp4ScaleByte(amax);
+  const float inv = num::E8m0Inverse(static_cast<uint8_t>(sb));
+  uint32_t mq = sb, maxq = sb;
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1) {
+    mq = min(mq, __shfl_xor_sync(cuda::kFull, mq, o));
+    maxq = max(maxq, __shfl_xor_sync(cuda::kFull, maxq, o));
+  }
+  const float wq = IndexQueryFastWeight(mq, maxq, w);
+  const int sq = num::IsNan(wq) ? 0 : static_cast<int>(sb - mq);
+  int sum = 0;
+#pragma unroll
+  for (int r = 0; r < kMxfp4Block / 4; ++r) {
+    uint32_t word = 0, shifted = 0;
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const int code = E2m1Twice(num::Mxfp4Encode(x[4 * r + v], inv));
+      word |= static_cast<uint32_t>(static_cast<uint8_t>(code)) << (8 * v);
+      shifted |= static_cast<uint32_t>(static_cast<uint8_t>(code * (1 << sq))) << (8 * v);
+      sum += code * (1 << sq);
+    }
+    reinterpret_cast<uint32_t*>(qo.block)[BlockFragWord(h, b, r)] = word;
+    reinterpret_cast<uint32_t*>(qo.fast)[FastFragWord(h, b, r)] = shifted;
+  }
+  (&qo.qf[b][0].x)[h] = IndexQueryFactor(sb);
+#pragma unroll
+  for (int o = 1; o < 4; o <<= 1) sum += __shfl_xor_sync(cuda::kFull, sum, o);
+  if (b == 0) {
+    const int pair = h / 2, slot = 4 * (pair % 8) + pair / 8, p = h % 2;
+    (&qo.w[0].x)[h] = w;
+    float* f = &qo.wq[slot].x + p;
+    f[0] = wq;
+    f[2] = -kFastMagic * wq;
+    // |128 sum| < 2^21: the start's bits are those of a float in [2^22, 2^24)
+    uint32_t* st = &qo.start[slot].x + p;
+    st[0] = st[2] = kFastMagicBits - 128u * static_cast<uint32_t>(sum);
+  }
+  return !num::IsNan(wq);
+}
+
+// One CTA: one token, kMmaWarps * tiles_per_warp tiles of consecutive
+// entries; warp w takes tiles w, w + 4, ..., keeping kStages - 1 of them in
+// flight. Three resident CTAs a multiprocessor.
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4(IndexerTopkArgs a,
                                                                                  int tiles_per_warp) {
-  __shared__ uint4 bfrag_s[kFragWords];                    // shifted codes, fragment order
-  __shared__ float2 qf_s[kIndexScales][kIndexHeads / 2];   // Q[b][h], two heads a float2
-  __shared__ float2 w_s[kIndexHeads / 2];
-  __shared__ float4 wq_s[kIndexHeads / 2];                 // wq, -2^23 wq of two heads
-  __shared__ int32_t blocks_s[kMmaWarps * kMaxTilesPerWarp * kTile / kPerBlock];
-  __shared__ __align__(16) uint32_t ring_s[kMmaWarps][kStages][kTileWords];
+  extern __shared__ __align__(16) uint32_t ring_dyn[];       // kRingBytes: the key rings
+  __shared__ QueryOperands qo;
+  __shared__ int32_t blocks_s[kMmaWarps * kMaxTilesPerWarp];
   const int64_t t = blockIdx.x;
   const TokenInfo ti = ReadToken(a, t);
   const int64_t span = static_cast<int64_t>(kMmaWarps) * tiles_per_warp * kTile;
   const int64_t first = static_cast<int64_t>(blockIdx.y) * span;
   if (!ti.ok || first >= ti.n) return;
-  const uint8_t* qs = a.qscratch + t * kQueryScratchBytes;
-  const uint4* shifted = reinterpret_cast<const uint4*>(qs + kQueryShiftedOffset);
-  for (int i = threadIdx.x; i < kFragWords; i += kMmaThreads) bfrag_s[i] = shifted[i];
-  const float* qfg = reinterpret_cast<const float*>(qs + kQueryFactorOffset);
-  for (int i = threadIdx.x; i < kIndexScales * kIndexHeads; i += kMmaThreads)
-    (&qf_s[0][0].x)[i] = qfg[i];
-  bool head_fast = true;
-  if (threadIdx.x < kIndexHeads) {
-    (&w_s[0].x)[threadIdx.x] = a.weights[t * kIndexHeads + threadIdx.x];
-    const float wq = reinterpret_cast<const float*>(qs + kQueryWqOffset)[threadIdx.x];
-    float* pair = &wq_s[threadIdx.x / 2].x + threadIdx.x % 2;
-    pair[0] = wq;
-    pair[2] = -kFastMagic * wq;
-    head_fast = !num::IsNan(wq);
-  }
-  if (threadIdx.x < span / kPerBlock) {
-    const int64_t j = first / kPerBlock + threadIdx.x;
+  if (threadIdx.x < kMmaWarps * tiles_per_warp) {
+    const int64_t j = first / kTile + threadIdx.x;
     blocks_s[threadIdx.x] = j < a.MB ? a.block_table[ti.slot * a.MB + j] : -1;
   }
-  const bool token_fast = __syncthreads_and(head_fast);
-
+  __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  const uint4* bfrag = bfrag_s + lane;
-  const uint4* bfrag_block = reinterpret_cast<const uint4*>(qs) + lane;
-  const int64_t stride = static_cast<int64_t>(kMmaWarps) * kTile;
-  const int64_t e_first = first + warp * kTile;
-  const int in_block = static_cast<int>(e_first % kPerBlock);   // 0 or 16, every tile
+  const int own_row = g + 8 * c;                               // the row this lane finishes
+  const uint32_t byte_c = 0x4440u + c;                         // permute: byte c, zeros above
   const int64_t l = *a.layer;
   TileStream ts;
   ts.N = a.N;
-  ts.packed = a.packed + (l * a.N * kPerBlock + in_block) * kIndexPacked + lane * 16;
-  ts.scale = a.scale + (l * a.N * kPerBlock + in_block) * kIndexScales + (lane & 3) * 16;
+  ts.packed = a.packed + l * a.N * kBlockKeyBytes + lane * 16;
+  ts.scale = a.scale + l * a.N * kBlockScaleBytes + (lane & 7) * 16;
+  auto ring_s = reinterpret_cast<uint32_t (*)[kStages][kTileWords]>(ring_dyn);
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(&ring_s[warp][0][0]));
-  ts.dst0 = ring + ((lane / 4) * kRowWords + (lane % 4) * 4) * 4;        // row lane/4, chunk lane%4
-  ts.dst1 = ts.dst0 + 8 * kRowWords * 4;                                 // row + 8
-  ts.dst_s = ring + (kScaleWord + (lane & 3) * 4) * 4;
-  const uint32_t* rd = &ring_s[warp][0][g * kRowWords + c];   // + 4b: row g, + 8 rows: row g + 8
-  const int block_first = static_cast<int>((e_first - first) / kPerBlock);   // + 2 per tile
+  ts.dst = ring + lane * 16;
   uint32_t* keys = a.scratch + t * a.E;
-  const uint32_t my_row = g + 8 * (c & 1);                     // the row whose key this lane stores
   int tiles = 0;                                               // this warp's tiles below n
-  while (tiles < tiles_per_warp && e_first + tiles * stride < ti.n) ++tiles;
+  while (tiles < tiles_per_warp && first + (warp + kMmaWarps * tiles) * kTile < ti.n) ++tiles;
   auto issue = [&](int it) {
-    if (it < tiles) ts.Issue(blocks_s[block_first + 2 * it], it % kStages, lane);
+    if (it < tiles) ts.Issue(blocks_s[warp + kMmaWarps * it], it % kStages, lane);
     CpAsyncCommit();                                           // empty groups keep the count
   };
 #pragma unroll 1
   for (int it = 0; it < kStages - 1; ++it) issue(it);
+  // the query, while the first tiles arrive: pairs threadIdx.x and + 128
+  bool head_fast = true;
+#pragma unroll 1
+  for (int i = 0; i < 2; ++i) {
+    const int pair = threadIdx.x + i * kMmaThreads, h = pair / kIndexScales, b = pair % kIndexScales;
+    head_fast &= QuantizeQueryPair(a.q + (t * kIndexHeads + h) * kIndexDim + b * kMxfp4Block,
+                                   a.weights[t * kIndexHeads + h], h, b, qo);
+  }
+  const bool token_fast = __syncthreads_and(head_fast);
   for (int it = 0; it < tiles; ++it) {                         // uniform per warp
-    const int32_t block = blocks_s[block_first + 2 * it];     // read early: hides its latency
+    const int32_t block = blocks_s[warp + kMmaWarps * it];    // read early: hides its latency
     issue(it + kStages - 1);
     CpAsyncWait<kStages - 1>();
     __syncwarp();
-    const int64_t e0 = e_first + it * stride;
+    const int64_t e0 = first + (warp + kMmaWarps * it) * kTile;
     if (block < 0 || block >= a.N) {
-      if (lane < kTile && e0 + lane < ti.n) keys[e0 + lane] = 0;
+      if (e0 + lane < ti.n) keys[e0 + lane] = 0;
     } else {
-      const uint32_t* st = rd + (it % kStages) * kTileWords;
-      TileKeys cur;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        cur.kg[b] = st[4 * b];
-        cur.kh[b] = st[8 * kRowWords + 4 * b];
-      }
-      cur.sg = ring_s[warp][it % kStages][kScaleWord + g];
-      cur.sh = ring_s[warp][it % kStages][kScaleWord + g + 8];
-      float pg[8], ph[8], kfg = 1.f, kfh = 1.f;
-      uint32_t shift_g, shift_h;
-      const bool fast = IndexKeyFast(cur.sg, &shift_g, &kfg) & IndexKeyFast(cur.sh, &shift_h, &kfh);
+      const uint32_t* st = &ring_s[warp][it % kStages][0];
+      const bool own_valid = e0 + own_row < ti.n;
+      uint32_t shifts;
+      float kf;
+      bool fast = IndexKeyFast(st[kScaleWord + own_row], &shifts, &kf);
+      if (!own_valid) fast = true, shifts = 0;                 // rows past n: not stored
+      float l4[4];   // levels 1-4 of rows g + 8h
       if (token_fast && __all_sync(cuda::kFull, fast)) {
-        FastTileSums(bfrag, wq_s + 8 * c, cur, shift_g, shift_h, pg, ph);
+        uint4 kv[4];
+        uint2 tab[4];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          kv[h] = *reinterpret_cast<const uint4*>(st + (g + 8 * h) * kRowWords + 4 * c);
+          const uint32_t sk = Prmt(__shfl_sync(cuda::kFull, shifts, 4 * g + h), 0u, byte_c);
+          tab[h] = make_uint2(0x03020100u << sk, 0x0C080604u << sk);
+        }
+        float p[4][8];
+        FastTileSums(qo.fast + lane, qo.wq + c, qo.start + c, kv, tab, p);
+#pragma unroll
+        for (int h = 0; h < 4; ++h) l4[h] = LaneHeadTree(p[h]);
       } else {
-        kfg = kfh = 1.f;
-        if (__all_sync(cuda::kFull, FmaScales(cur.sg) && FmaScales(cur.sh)))
-          BlockTileSums<true>(bfrag_block, qf_s, w_s, cur, c, pg, ph);
-        else
-          BlockTileSums<false>(bfrag_block, qf_s, w_s, cur, c, pg, ph);
+        kf = 1.f;
+        const float4 v = BlockTileL4(st, qo.block + lane, qo.qf, qo.w, g, c);
+        l4[0] = v.x, l4[1] = v.y, l4[2] = v.z, l4[3] = v.w;
       }
-      const float tree_g = LaneHeadTree(pg), tree_h = LaneHeadTree(ph);
-      const float score = (c & 1) ? kfh * tree_h : kfg * tree_g;
-      if (c < 2 && e0 + my_row < ti.n) keys[e0 + my_row] = IndexRankKey(score);
+      const float score = kf * QuadHeadTree(l4, c);
+      if (own_valid) keys[e0 + own_row] = IndexRankKey(score);
     }
     __syncwarp();                                              // the stage is free for its next tile
   }
   CpAsyncWait<0>();
 }
 
-// Tiles per warp: about one wave of resident CTAs, at most kMaxTilesPerWarp
-// (each CTA first loads the token's 8 KB of q operands).
-// DSV4_INDEXER_TILES=n (read once) fixes it, for benchmarks.
+// Tiles per warp: CTAs in whole waves of resident ones (three a
+// multiprocessor), at most kMaxTilesPerWarp. DSV4_INDEXER_TILES=n (read
+// once) fixes it, for benchmarks.
 int TilesPerWarp(int64_t T, int64_t E) {
   static const int forced = [] {
     const char* v = std::getenv("DSV4_INDEXER_TILES");
@@ -600,9 +716,11 @@ int TilesPerWarp(int64_t T, int64_t E) {
     return n >= 1 && n <= kMaxTilesPerWarp ? n : 0;
   }();
   if (forced) return forced;
-  const int64_t per_tile_cta =
-      static_cast<int64_t>(kTile) * kMmaWarps * cuda::SmCount() * kScoreCtasPerSm;
-  const int64_t tpw = T * E / per_tile_cta;
+  const int64_t resident = static_cast<int64_t>(cuda::SmCount()) * kScoreCtasPerSm;
+  const int64_t units = (E + kMmaWarps * kTile - 1) / (kMmaWarps * kTile);   // a tile a warp
+  const int64_t waves = (T * units + resident * kMaxTilesPerWarp - 1) / (resident * kMaxTilesPerWarp);
+  const int64_t per_token = std::max<int64_t>(1, resident * std::max<int64_t>(waves, 1) / T);
+  const int64_t tpw = (units + per_token - 1) / per_token;
   return static_cast<int>(tpw < 1 ? 1 : tpw > kMaxTilesPerWarp ? kMaxTilesPerWarp : tpw);
 }
 
@@ -945,11 +1063,14 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
       const int64_t ctas = (a.E + span - 1) / span;
       if (ctas > 65535)
         return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
-      QuantizeQueryKernel<<<dim3(static_cast<unsigned>(a.T), kIndexHeads * kIndexScales * 8 /
-                                                                  kQuantThreads),
-                            kQuantThreads, 0, stream>>>(a);
+      // static and dynamic shared memory together pass the default 48 KB
+      static const cudaError_t opt_in = cudaFuncSetAttribute(
+          ScoreKernelMxfp4, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
+      if (opt_in != cudaSuccess)
+        return ffi::Error::Internal(std::string("indexer_topk shared memory: ") +
+                                    cudaGetErrorString(opt_in));
       ScoreKernelMxfp4<<<dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas)),
-                         kMmaThreads, 0, stream>>>(a, tpw);
+                         kMmaThreads, kRingBytes, stream>>>(a, tpw);
     } else if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)

@@ -6,7 +6,8 @@
 //         index.packed u8[Lc,N,32,64], index.scale e8m0[Lc,N,32,4]
 //   rets  indices s32[T,k], scratch u32[T,MB*32] (rank keys; working memory),
 //         qscratch u8[T,Q] (the MXFP4 query: Q = kQueryScratchBytes for
-//         q_format 1, else 0; working memory), errors (aliased)
+//         q_format 1, else 0; the CPU handler's working memory, unused on
+//         CUDA), errors (aliased)
 //   attrs q_format (0 = bf16 query, 1 = query rounded to MXFP4)
 #pragma once
 

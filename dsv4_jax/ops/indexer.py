@@ -66,8 +66,9 @@ FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
         csa.index.scale e8m0[Lc, N, 32, 4]
   rets  indices i32[T, k], scratch u32[T, MB * 32] (per-entry rank keys; the
         handlers' working memory, discarded), qscratch u8[T, 17664] for
-        q_format 1, else u8[T, 0] (the rounded query, laid out as each
-        handler likes; discarded), errors (aliased)
+        q_format 1, else u8[T, 0] (the CPU handler's rounded query;
+        unused on CUDA, where each CTA rounds q into shared memory;
+        discarded), errors (aliased)
   attrs q_format 0 ("bf16") or 1 ("mxfp4")
 """
 from __future__ import annotations
