@@ -631,8 +631,11 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   const int64_t first = static_cast<int64_t>(blockIdx.y) * span;
   if (!ti.ok || first >= ti.n) return;
   if (threadIdx.x < kMmaWarps * tiles_per_warp) {
+    // each logical block is read here by one CTA: it counts a missing one
     const int64_t j = first / kTile + threadIdx.x;
-    blocks_s[threadIdx.x] = j < a.MB ? a.block_table[ti.slot * a.MB + j] : -1;
+    const int32_t block = j < a.MB ? a.block_table[ti.slot * a.MB + j] : -1;
+    blocks_s[threadIdx.x] = block;
+    if (j * kPerBlock < ti.n && (block < 0 || block >= a.N)) atomicAdd(&a.errors[kMissingBlock], 1);
   }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -828,7 +831,10 @@ __device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
   return v;
 }
 
-__global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a, int kp) {
+// count_missing: the score kernel did not count the token's missing blocks
+// (the mxfp4 one does, as it reads the block table).
+__global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a, int kp,
+                                                                bool count_missing) {
 
   extern __shared__ unsigned long long sel[];   // kp composite keys (2 kp when kp <= threads)
   __shared__ int hist[256];
@@ -853,9 +859,11 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   }
   const int64_t n = ti.n;
   const TokenKeys keys(a.scratch + t * a.E, n);
-  for (int64_t j = tid; j * kPerBlock < n; j += kSelectThreads) {
-    const int64_t b = a.block_table[ti.slot * a.MB + j];
-    if (b < 0 || b >= a.N) atomicAdd(&a.errors[kMissingBlock], 1);
+  if (count_missing) {
+    for (int64_t j = tid; j * kPerBlock < n; j += kSelectThreads) {
+      const int64_t b = a.block_table[ti.slot * a.MB + j];
+      if (b < 0 || b >= a.N) atomicAdd(&a.errors[kMissingBlock], 1);
+    }
   }
 
   // ---- range and count of the candidate keys (one pass, no atomics) ----
@@ -1086,7 +1094,7 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
   while (kp < a.K) kp <<= 1;
   const unsigned grid = static_cast<unsigned>(a.T > 0 ? a.T : 1);
   const size_t sel_bytes = (kp <= kSelectThreads ? 2 : 1) * kp * sizeof(unsigned long long);
-  SelectKernel<<<grid, kSelectThreads, sel_bytes, stream>>>(a, kp);
+  SelectKernel<<<grid, kSelectThreads, sel_bytes, stream>>>(a, kp, a.q_format != kQueryMxfp4);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(err));
