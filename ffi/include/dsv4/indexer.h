@@ -97,7 +97,8 @@ DSV4_HD uint32_t IndexRankKey(float s) {
 //           head order, the order a GPU warp reduces in)
 // u[b] * Q[b] is exact unless it leaves the normal fp32 range, so the fma
 // equals a multiply and an add wherever no subnormal appears.
-// qscratch bytes per token (a layout each handler fills its own way):
+// qscratch bytes per token, the CPU handler's layout (the CUDA handler keeps
+// the rounded query in each CTA's shared memory instead):
 //   [0, 8192)        int8 codes q2[64][128]
 //   [8192, 9216)     f32 factors Q[4][64]
 //   [9216, 17408)    int8 codes shifted for the fast form (below)
