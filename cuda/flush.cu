@@ -100,7 +100,7 @@ __device__ void StoreIndexKey(const FlushArgs& a, int64_t e, float* ix) {
   if (c < kIndexDim) {
     const float v = num::RoundBf16(ix[c] * num::HadamardScale());
     const int lane = c & 31, blk = c >> 5;
-    float amax = num::MaxF(6.f * num::BitsFloat(0x00800000u), num::AbsF(v));
+    float amax = num::AmaxWith(num::Mxfp4AmaxFloor(), v);
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1)
       amax = num::MaxF(amax, __shfl_xor_sync(cuda::kFull, amax, off));

@@ -574,11 +574,8 @@ __device__ bool QuantizeQueryPair(const uint16_t* qhb, float w, int h, int b,
       x[8 * i + 2 * e + 1] = num::BitsFloat(v[e] & 0xffff0000u);
     }
   }
-  float amax = num::Mxfp4AmaxFloor();
-#pragma unroll
-  for (int v = 0; v < kMxfp4Block; ++v) amax = num::MaxF(amax, num::AbsF(x[v]));
-  const uint32_t sb = num::Mxfp4ScaleByte(amax);
-  const float inv = num::E8m0Inverse(static_cast<uint8_t>(sb));
+  int8_t q2[kMxfp4Block];
+  const uint32_t sb = QuantizeIndexQueryBlock(x, q2);
   uint32_t mq = sb, maxq = sb;
 #pragma unroll
   for (int o = 1; o < 4; o <<= 1) {
@@ -586,18 +583,18 @@ __device__ bool QuantizeQueryPair(const uint16_t* qhb, float w, int h, int b,
     maxq = max(maxq, __shfl_xor_sync(cuda::kFull, maxq, o));
   }
   const float wq = IndexQueryFastWeight(mq, maxq, w);
-  const int sq = num::IsNan(wq) ? 0 : static_cast<int>(sb - mq);
+  const uint32_t sq = num::IsNan(wq) ? 0 : sb - mq;
   int sum = 0;
 #pragma unroll
   for (int r = 0; r < kMxfp4Block / 4; ++r) {
     uint32_t word = 0, shifted = 0;
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
-      const int code = E2m1Twice(num::Mxfp4Encode(x[4 * r + v], inv));
-      word |= static_cast<uint32_t>(static_cast<uint8_t>(code)) << (8 * v);
-      shifted |= static_cast<uint32_t>(static_cast<uint8_t>(code * (1 << sq))) << (8 * v);
-      sum += code * (1 << sq);
+      const uint32_t code = static_cast<uint8_t>(q2[4 * r + v]);
+      word |= code << (8 * v);
+      shifted |= ((code << sq) & 255u) << (8 * v);
     }
+    sum = __dp4a(static_cast<int>(shifted), 0x01010101, sum);   // four signed bytes
     reinterpret_cast<uint32_t*>(qo.block)[BlockFragWord(h, b, r)] = word;
     reinterpret_cast<uint32_t*>(qo.fast)[FastFragWord(h, b, r)] = shifted;
   }

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "dsv4/entries.h"
+#include "dsv4/indexer.h"
 #include "dsv4/numerics.h"
 #include "flush.h"
 #include "numerics_probe.h"
@@ -44,6 +45,7 @@ __global__ void ProbeKernel(Op op, Args a) {
     case Op::kE8m0Decode: M<float>(a.out0)[r] = num::E8m0ToF32(P<uint8_t>(a.x)[r]); break;
     case Op::kE2m1Encode: M<uint8_t>(a.out0)[r] = num::F32ToE2m1(*xf); break;
     case Op::kE2m1Decode: M<float>(a.out0)[r] = num::E2m1ToF32(P<uint8_t>(a.x)[r]); break;
+    case Op::kIndexQueryOperand: M<int8_t>(a.out0)[r] = static_cast<int8_t>(E2m1TwiceRounded(*xf)); break;
     case Op::kDsFp8Tiles:
       M<uint8_t>(a.out1)[r] = num::QuantizeDsFp8Tile(xf, static_cast<int>(w), M<uint8_t>(a.out0) + r * w);
       break;

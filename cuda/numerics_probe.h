@@ -23,7 +23,7 @@ struct Out {
 enum class Op {
   kBf16Bits, kE4m3Encode, kE4m3Decode, kE8m0Pow2Ceil, kE8m0Decode, kE2m1Encode, kE2m1Decode,
   kDsFp8Tiles, kFp8Token, kMxfp4Blocks, kIndexKeys, kSoftmaxMerge, kRmsNorm, kRope,
-  kHadamard128, kEpilogue, kIndexEpilogue,
+  kHadamard128, kEpilogue, kIndexEpilogue, kIndexQueryOperand,
 };
 
 // x: the main input; aux: up to three more inputs; out: up to two outputs.

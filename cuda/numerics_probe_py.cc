@@ -54,6 +54,7 @@ void BindNumericsProbe(nb::module_& parent) {
   Elementwise<uint8_t, float>(m, "e8m0_decode", probe::Op::kE8m0Decode);
   Elementwise<float, uint8_t>(m, "e2m1_encode", probe::Op::kE2m1Encode);
   Elementwise<uint8_t, float>(m, "e2m1_decode", probe::Op::kE2m1Decode);
+  Elementwise<float, int8_t>(m, "index_query_operand", probe::Op::kIndexQueryOperand);
   auto blocks = [&m](const char* name, probe::Op op, int64_t width, auto scale_tag) {
     using S = decltype(scale_tag);
     m.def(name, [=](NIn<float> x, NOut<uint8_t> codes, NOut<S> scales) {

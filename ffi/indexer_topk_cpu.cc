@@ -57,8 +57,10 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
       for (int h = 0; h < kIndexHeads; ++h) {
         uint8_t eq[kIndexScales];
         for (int b = 0; b < kIndexScales; ++b) {
-          eq[b] = QuantizeIndexQueryBlock(qt + h * kIndexDim + b * kMxfp4Block,
-                                          q2 + h * kIndexDim + b * kMxfp4Block);
+          float x[kMxfp4Block];
+          for (int j = 0; j < kMxfp4Block; ++j)
+            x[j] = num::Bf16ToF32(qt[h * kIndexDim + b * kMxfp4Block + j]);
+          eq[b] = QuantizeIndexQueryBlock(x, q2 + h * kIndexDim + b * kMxfp4Block);
           qfac[b * kIndexHeads + h] = IndexQueryFactor(eq[b]);
         }
         const uint8_t mq = std::min(std::min(eq[0], eq[1]), std::min(eq[2], eq[3]));

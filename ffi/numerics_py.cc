@@ -9,6 +9,7 @@
 #include <string>
 
 #include "dsv4/entries.h"
+#include "dsv4/indexer.h"
 #include "dsv4/numerics.h"
 #include "flush.h"
 
@@ -70,6 +71,10 @@ void BindNumerics(nb::module_& parent) {
   m.def("e2m1_decode", [](In<uint8_t> c, Out<float> out) {
     SameSize(c, out, "e2m1_decode");
     for (size_t i = 0; i < c.size(); ++i) out.data()[i] = num::E2m1ToF32(c.data()[i]);
+  });
+  m.def("index_query_operand", [](In<float> y, Out<int8_t> out) {
+    SameSize(y, out, "index_query_operand");
+    for (size_t i = 0; i < y.size(); ++i) out.data()[i] = static_cast<int8_t>(E2m1TwiceRounded(y.data()[i]));
   });
   m.def("ds_fp8_tiles", [](In<float> x, Out<uint8_t> codes, Out<uint8_t> scales) {
     size_t n = Rows(x, kNopeTile, "ds_fp8_tiles");

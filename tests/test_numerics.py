@@ -123,6 +123,24 @@ def test_e2m1_encode_matches_ml_dtypes():
     np.testing.assert_array_equal(call(num.e2m1_decode, codes, F32), codes.view(E2M1).astype(F32))
 
 
+def test_index_query_operand_is_twice_the_e2m1_value():
+    # the indexer's q operand: twice the e2m1 value of clamp(y, +-6) as an int
+    # (NaN -> 0), checked against ml_dtypes' rounding
+    grid = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], F32)
+    mids = (grid[:-1] + grid[1:]) / 2
+    y = np.concatenate([rng.uniform(-7, 7, 50000).astype(F32), grid, -grid, mids, -mids,
+                        np.nextafter(mids, F32(9)), np.nextafter(mids, F32(-9)),
+                        np.nextafter(grid, F32(9)), np.nextafter(grid, F32(-9)),
+                        np.array([-0.0, 1e-30, -1e-30, 2 ** -149, 6.5, -100, 3e38,
+                                  np.inf, -np.inf, np.nan], F32)])
+    got = call(num.index_query_operand, y, np.int8)
+    with np.errstate(invalid="ignore"):
+        want = np.clip(y, -6, 6).astype(E2M1).astype(F32) * 2
+    want = np.where(np.isnan(y), 0, want).astype(np.int8)
+    np.testing.assert_array_equal(got, want)
+    assert set(np.unique(got)) == {0, 1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8, -12}
+
+
 # ---- block quantizers ------------------------------------------------------------
 
 def ref_ds_fp8(x):

@@ -47,7 +47,7 @@ def both(fn_name, gpu, *args, outs):
 @pytest.mark.parametrize("name, in_dtype, out_dtype", [
     ("bf16_bits", F32, np.uint16), ("e4m3_encode", F32, U8), ("e8m0_pow2ceil", F32, U8),
     ("e2m1_encode", F32, U8), ("e4m3_decode", U8, F32), ("e8m0_decode", U8, F32),
-    ("e2m1_decode", U8, F32)])
+    ("e2m1_decode", U8, F32), ("index_query_operand", F32, np.int8)])
 def test_scalar_conversions_bit_exact(gpu, name, in_dtype, out_dtype):
     x = wide_f32(50000) if in_dtype == F32 else np.arange(256, dtype=U8)
     (c,), (g,) = both(name, gpu, x, outs=[(x.shape, out_dtype)])

@@ -126,14 +126,26 @@ DSV4_HD float IndexQueryFactor(uint32_t eq) {
   return num::BitsFloat(eq >= 3 ? (eq - 2u) << 23 : 0x00800000u >> (3u - eq));
 }
 
-// One (head, block) of the query: 32 bf16 values -> 32 int8 codes (q2);
+// Twice the e2m1 value of F32ToE2m1(Clamp(y, 6)) as an int in [-12, 12]
+// (NaN -> 0), from the rounded magnitude of num::E2m1Magic without forming
+// the code: the query operand of the integer dot products.
+DSV4_HD int E2m1TwiceRounded(float y) {
+  const float a0 = num::AbsF(y);
+  const float a = a0 > num::kE2m1Max ? num::kE2m1Max : a0;
+  const float m = num::E2m1Magic(a);
+  const float r = num::BitsFloat(num::FloatBits((a + m) - m) | (num::FloatBits(y) & 0x80000000u));
+  // the ulp of 1.5 * 2^22 is 1/2: the low bits of the sum count r in halves
+  const int v = static_cast<int>(num::FloatBits(r + 6291456.f)) - 0x4AC00000;
+  return num::IsNan(y) ? 0 : v;
+}
+
+// One (head, block) of the query, its 32 bf16 values widened to fp32 ->
+// 32 int8 codes (q2), rounded as a key block is (num::QuantizeMxfp4Block);
 // returns its scale byte eq (Q = IndexQueryFactor(eq)).
-DSV4_HD uint8_t QuantizeIndexQueryBlock(const uint16_t* q, int8_t* q2) {
-  float x[kMxfp4Block];
-  uint8_t codes[kMxfp4Block];
-  for (int j = 0; j < kMxfp4Block; ++j) x[j] = num::Bf16ToF32(q[j]);
-  const uint8_t eq = num::QuantizeMxfp4Block(x, kMxfp4Block, codes);
-  for (int j = 0; j < kMxfp4Block; ++j) q2[j] = static_cast<int8_t>(E2m1Twice(codes[j]));
+DSV4_HD uint8_t QuantizeIndexQueryBlock(const float* x, int8_t* q2) {
+  const uint8_t eq = num::Mxfp4BlockScale(x, kMxfp4Block);
+  const float inv = num::E8m0Inverse(eq);
+  for (int j = 0; j < kMxfp4Block; ++j) q2[j] = static_cast<int8_t>(E2m1TwiceRounded(x[j] * inv));
   return eq;
 }
 

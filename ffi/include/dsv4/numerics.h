@@ -93,6 +93,16 @@ DSV4_HD float Clamp(float x, float lim) {
   const float hi = x > lim ? lim : x;
   return x < -lim ? -lim : hi;
 }
+// MaxF(amax, |x|) for a running block amax (a positive number): fmaxf on
+// a GPU, one instruction. The same result: no operand is -0, and both ignore
+// a NaN |x|.
+DSV4_HD float AmaxWith(float amax, float x) {
+#ifdef __CUDA_ARCH__
+  return fmaxf(amax, fabsf(x));
+#else
+  return MaxF(amax, AbsF(x));
+#endif
+}
 
 // ---- bf16 -----------------------------------------------------------------
 // fp32 -> bf16, round to nearest even; NaN stays a (quiet) NaN of the same sign.
@@ -182,17 +192,30 @@ DSV4_HD float E8m0Inverse(uint8_t b) {
 // ---- e2m1 (fp4: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 = codes 0-7, sign bit 3) --
 constexpr float kE2m1Max = 6.f;
 
+// Rounding to the format for a in [0, 6] (not NaN), by one fp32 add:
+// M = E2m1Magic(a) = 2^(22 + k), k = max(0, floor(log2 a)), has an ulp of
+// 2^(k - 1), the format's step in a's binade (0.5 below 2, 1 below 4, 2 from
+// 4). So fl(a + M) is a rounded to the format's grid, a tie going to the even
+// multiple of the step, which is the even code. fl(a + M) - M is the rounded
+// magnitude (exact), bits(a + M) - bits(M) its count of steps, and the code
+// that count plus 2k.
+DSV4_HD float E2m1Magic(float a) {
+  const uint32_t e = FloatBits(a) & 0x7f800000u;
+  return BitsFloat((e > 0x3f800000u ? e : 0x3f800000u) + (22u << 23));
+}
+
 // Nearest magnitude, a tie going to the even code (the rounding of the format):
 // 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
 // |x| > 6 and +-inf saturate to 6; the sign bit follows the fp32 sign (so
 // -0 -> 0x8). The format has no NaN: NaN gives 0x8, as ml_dtypes does.
+// Integer and fp32 operations only, no branches (a GPU warp does not
+// diverge); a NaN runs through them harmlessly and is replaced at the end.
 DSV4_HD uint8_t F32ToE2m1(float f) {
   const uint32_t sign = (FloatBits(f) & 0x80000000u) ? 8u : 0u;
-  const float a = AbsF(f);
-  // the number of code boundaries below a (a boundary tie stays with the
-  // even code): selects, no branches, so a GPU warp does not diverge
-  const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
-                        (a >= 3.5f) + (a > 5.f);
+  const float a0 = AbsF(f);
+  const float a = a0 > kE2m1Max ? kE2m1Max : a0;
+  const uint32_t m = FloatBits(E2m1Magic(a));
+  const uint32_t code = FloatBits(a + BitsFloat(m)) - m + 2u * ((m >> 23) - 149u);
   return static_cast<uint8_t>(IsNan(f) ? 8u : sign | code);
 }
 
@@ -211,7 +234,7 @@ constexpr float kDsFp8AmaxFloor = 1e-4f;
 // code = e4m3(clamp(x / s, +-448)). Returns the scale byte.
 DSV4_HD uint8_t QuantizeDsFp8Tile(const float* x, int n, uint8_t* codes) {
   float amax = kDsFp8AmaxFloor;
-  for (int i = 0; i < n; ++i) amax = MaxF(amax, AbsF(x[i]));
+  for (int i = 0; i < n; ++i) amax = AmaxWith(amax, x[i]);
   uint8_t sb = Pow2CeilE8m0(amax / kE4m3Max);
   float s = E8m0ToF32(sb);
   for (int i = 0; i < n; ++i) codes[i] = F32ToE4m3(Clamp(x[i] / s, kE4m3Max));
@@ -228,7 +251,7 @@ DSV4_HD float DequantDsFp8(uint8_t code, uint8_t scale) {
 // e4m3(clamp(x / s, +-448)). Returns s. Dequantized value: bf16(code * s).
 DSV4_HD float QuantizeFp8Token(const float* x, int n, uint8_t* codes) {
   float amax = kDsFp8AmaxFloor;
-  for (int i = 0; i < n; ++i) amax = MaxF(amax, AbsF(x[i]));
+  for (int i = 0; i < n; ++i) amax = AmaxWith(amax, x[i]);
   float s = amax / kE4m3Max;
   for (int i = 0; i < n; ++i) codes[i] = F32ToE4m3(Clamp(x[i] / s, kE4m3Max));
   return s;
@@ -247,10 +270,15 @@ DSV4_HD uint8_t Mxfp4Encode(float x, float inv_scale) {
 }
 
 // Codes are returned one per byte (low nibble); packing is the caller's.
-DSV4_HD uint8_t QuantizeMxfp4Block(const float* x, int n, uint8_t* codes) {
+// The scale byte of a block of n values.
+DSV4_HD uint8_t Mxfp4BlockScale(const float* x, int n) {
   float amax = Mxfp4AmaxFloor();
-  for (int i = 0; i < n; ++i) amax = MaxF(amax, AbsF(x[i]));
-  uint8_t sb = Mxfp4ScaleByte(amax);
+  for (int i = 0; i < n; ++i) amax = AmaxWith(amax, x[i]);
+  return Mxfp4ScaleByte(amax);
+}
+
+DSV4_HD uint8_t QuantizeMxfp4Block(const float* x, int n, uint8_t* codes) {
+  const uint8_t sb = Mxfp4BlockScale(x, n);
   const float inv = E8m0Inverse(sb);
   for (int i = 0; i < n; ++i) codes[i] = Mxfp4Encode(x[i], inv);
   return sb;
