@@ -37,6 +37,8 @@ constexpr int kScoreThreads = 256;
 constexpr int kSelectThreads = 1024;
 constexpr int kRegKeys = 16;     // keys per select thread held in registers (n <= 16384)
 constexpr int kMaxK = 4096;
+constexpr int kHistCopies = 8;      // radix histograms per select block
+constexpr int kHistStride = 257;
 constexpr int64_t kPerBlock = kBlockTokens / kCsaRatio;
 
 struct TokenInfo {
@@ -803,26 +805,30 @@ __device__ __forceinline__ unsigned long long Composite(uint32_t key, int64_t i)
 // Bitonic sort (descending) of kp <= kSelectThreads composites, one per
 // thread in a register: partner exchanges by shuffles within a warp and
 // through shared memory (two alternating buffers of kp; the first may be
-// where v came from: each thread read its own slot) across warps.
+// where v came from: each thread read its own slot) across warps. Only the
+// warps holding elements take part (the others return at once): they meet
+// on named barrier 1, so idle warps cost no issue slots in the 45 steps of
+// kp = 512. Nothing may use __syncthreads after this call.
 __device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
                                                unsigned long long* buf) {
   const int tid = threadIdx.x;
-  const bool busy = (tid & ~31) < kp;   // warps holding elements (all threads sync)
+  const int busy_threads = (kp + 31) & ~31;
+  if (tid >= busy_threads) return v;
   int parity = 0;
   for (int size = 2; size <= kp; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      unsigned long long p = 0;
-      if (stride >= 32) {
+      unsigned long long p;
+      if (stride >= 32) {                  // kp >= 64: every busy thread holds one
         unsigned long long* b = buf + parity * kp;
         parity ^= 1;
-        if (tid < kp) b[tid] = v;
-        __syncthreads();
-        if (tid < kp) p = b[tid ^ stride];
-      } else if (busy) {
+        b[tid] = v;
+        asm volatile("bar.sync 1, %0;" ::"r"(busy_threads) : "memory");
+        p = b[tid ^ stride];
+      } else {
         p = __shfl_xor_sync(cuda::kFull, v, stride);
       }
       const bool desc = (tid & size) == 0, lower = (tid & stride) == 0;
-      if (busy) v = desc == lower ? (v > p ? v : p) : (v < p ? v : p);
+      v = desc == lower ? (v > p ? v : p) : (v < p ? v : p);
     }
   }
   return v;
@@ -834,7 +840,10 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
                                                                 bool count_missing) {
 
   extern __shared__ unsigned long long sel[];   // kp composite keys (2 kp when kp <= threads)
-  __shared__ int hist[256];
+  // kHistCopies histograms, copy c at c * kHistStride (one bank apart): lane L
+  // counts into copy L mod kHistCopies, so the lanes of a warp that hit one
+  // bin (the keys of a token crowd a few bins) conflict 4 ways, not 32
+  __shared__ int hist[kHistCopies * kHistStride];
   __shared__ int warp_sums[kSelectThreads / 32];
   __shared__ uint32_t s_prefix, s_need, s_ncand;
   __shared__ int s_gt, s_eq;
@@ -877,12 +886,9 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
       ++cnt;
     }
   });
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-    cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
-  }
+  lo = __reduce_min_sync(cuda::kFull, lo);
+  hi = __reduce_max_sync(cuda::kFull, hi);
+  cnt = static_cast<int>(__reduce_add_sync(cuda::kFull, static_cast<uint32_t>(cnt)));
   __shared__ uint32_t w_lo[kSelectThreads / 32], w_hi[kSelectThreads / 32];
   if ((tid & 31) == 0) {
     w_lo[tid >> 5] = lo;
@@ -890,16 +896,16 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     warp_sums[tid >> 5] = cnt;
   }
   __syncthreads();
-  if (tid == 0) {
-    uint32_t l0 = 0xffffffffu, h0 = 0, c0 = 0;
-    for (int w = 0; w < kSelectThreads / 32; ++w) {
-      l0 = min(l0, w_lo[w]);
-      h0 = max(h0, w_hi[w]);
-      c0 += static_cast<uint32_t>(warp_sums[w]);
+  static_assert(kSelectThreads == 32 * 32, "one lane of warp 0 a warp");
+  if (tid < 32) {                              // lane w folds warp w's results
+    const uint32_t l0 = __reduce_min_sync(cuda::kFull, w_lo[tid]);
+    const uint32_t h0 = __reduce_max_sync(cuda::kFull, w_hi[tid]);
+    const uint32_t c0 = __reduce_add_sync(cuda::kFull, static_cast<uint32_t>(warp_sums[tid]));
+    if (tid == 0) {
+      s_ncand = c0;
+      s_prefix = h0;
+      s_need = l0 ^ h0;
     }
-    s_ncand = c0;
-    s_prefix = h0;
-    s_need = l0 ^ h0;
   }
   __syncthreads();
   const uint32_t ncand = s_ncand, diff = s_need;
@@ -915,12 +921,20 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     for (; top >= 0; top -= 8) {
       const int width = top + 1 < 8 ? top + 1 : 8;
       const int shift = top + 1 - width;
-      for (int b = tid; b < 256; b += kSelectThreads) hist[b] = 0;
+      for (int b = tid; b < kHistCopies * kHistStride; b += kSelectThreads) hist[b] = 0;
       __syncthreads();
+      int* my_hist = hist + (tid % kHistCopies) * kHistStride;
       keys.ForEach([&](uint32_t key, int64_t) {
         if (key != 0 && (key & mask) == prefix)
-          atomicAdd(&hist[(key >> shift) & ((1u << width) - 1u)], 1);
+          atomicAdd(&my_hist[(key >> shift) & ((1u << width) - 1u)], 1);
       });
+      __syncthreads();
+      if (tid < 256) {                           // copy 0 <- the sum of the copies
+        int sum = 0;
+#pragma unroll
+        for (int c = 0; c < kHistCopies; ++c) sum += hist[c * kHistStride + tid];
+        hist[tid] = sum;
+      }
       __syncthreads();
       if (tid < 32) {
         // lane L holds bins 8(31-L) .. 8(31-L)+7: lane 0 the highest
