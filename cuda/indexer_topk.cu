@@ -802,37 +802,63 @@ __device__ __forceinline__ unsigned long long Composite(uint32_t key, int64_t i)
   return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
 }
 
-// Bitonic sort (descending) of kp <= kSelectThreads composites, one per
-// thread in a register: partner exchanges by shuffles within a warp and
+// Bitonic sort (descending) of kp = 2^kLog <= kSelectThreads composites, one
+// per thread in a register: partner exchanges by shuffles within a warp and
 // through shared memory (two alternating buffers of kp; the first may be
 // where v came from: each thread read its own slot) across warps. Only the
 // warps holding elements take part (the others return at once): they meet
-// on named barrier 1, so idle warps cost no issue slots in the 45 steps of
-// kp = 512. Nothing may use __syncthreads after this call.
-__device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
-                                               unsigned long long* buf) {
+// on named barrier 1, so idle warps cost no issue slots. The steps are
+// unrolled (kLog is a template argument): kp = 512 takes 45 of them, and
+// loop control cost more than the exchange. Nothing may use __syncthreads
+// after this call.
+template <int kLog>
+__device__ unsigned long long SortOnePerThread(unsigned long long v, unsigned long long* buf) {
+  constexpr int kp = 1 << kLog;
+  constexpr int kBusyThreads = kp < 32 ? 32 : kp;
+  static_assert(kp <= kSelectThreads, "one element a thread");
   const int tid = threadIdx.x;
-  const int busy_threads = (kp + 31) & ~31;
-  if (tid >= busy_threads) return v;
-  int parity = 0;
-  for (int size = 2; size <= kp; size <<= 1) {
+  if (tid >= kBusyThreads) return v;
+#pragma unroll
+  for (int size = 2, parity = 0; size <= kp; size <<= 1) {
+#pragma unroll
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       unsigned long long p;
       if (stride >= 32) {                  // kp >= 64: every busy thread holds one
         unsigned long long* b = buf + parity * kp;
         parity ^= 1;
         b[tid] = v;
-        asm volatile("bar.sync 1, %0;" ::"r"(busy_threads) : "memory");
+        asm volatile("bar.sync 1, %0;" ::"n"(kBusyThreads) : "memory");
         p = b[tid ^ stride];
       } else {
         p = __shfl_xor_sync(cuda::kFull, v, stride);
       }
+      // the lower of a pair in a descending run keeps the larger (equal
+      // values: the padding zeros, either will do)
       const bool desc = (tid & size) == 0, lower = (tid & stride) == 0;
-      v = desc == lower ? (v > p ? v : p) : (v < p ? v : p);
+      v = ((v > p) == (desc == lower)) ? v : p;
     }
   }
   return v;
 }
+
+// SortOnePerThread for a runtime kp (a power of two <= kSelectThreads).
+__device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
+                                               unsigned long long* buf) {
+  switch (kp) {
+    case 1: return v;
+    case 2: return SortOnePerThread<1>(v, buf);
+    case 4: return SortOnePerThread<2>(v, buf);
+    case 8: return SortOnePerThread<3>(v, buf);
+    case 16: return SortOnePerThread<4>(v, buf);
+    case 32: return SortOnePerThread<5>(v, buf);
+    case 64: return SortOnePerThread<6>(v, buf);
+    case 128: return SortOnePerThread<7>(v, buf);
+    case 256: return SortOnePerThread<8>(v, buf);
+    case 512: return SortOnePerThread<9>(v, buf);
+    default: return SortOnePerThread<10>(v, buf);
+  }
+}
+static_assert(kSelectThreads == 1 << 10, "SortOnePerThread's cases");
 
 // count_missing: the score kernel did not count the token's missing blocks
 // (the mxfp4 one does, as it reads the block table).
