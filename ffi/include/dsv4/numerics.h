@@ -269,7 +269,6 @@ DSV4_HD uint8_t Mxfp4Encode(float x, float inv_scale) {
   return F32ToE2m1(Clamp(x * inv_scale, kE2m1Max));
 }
 
-// Codes are returned one per byte (low nibble); packing is the caller's.
 // The scale byte of a block of n values.
 DSV4_HD uint8_t Mxfp4BlockScale(const float* x, int n) {
   float amax = Mxfp4AmaxFloor();
@@ -277,6 +276,7 @@ DSV4_HD uint8_t Mxfp4BlockScale(const float* x, int n) {
   return Mxfp4ScaleByte(amax);
 }
 
+// Codes are returned one per byte (low nibble); packing is the caller's.
 DSV4_HD uint8_t QuantizeMxfp4Block(const float* x, int n, uint8_t* codes) {
   const uint8_t sb = Mxfp4BlockScale(x, n);
   const float inv = E8m0Inverse(sb);
