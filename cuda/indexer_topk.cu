@@ -14,12 +14,16 @@
 //     itself, int8 dot products on the tensor cores, keys streamed through
 //     a cp.async ring; see below).
 //  2. SelectKernel, one block of 1024 threads per token, the token's keys in
-//     registers when they fit (16 a thread): an MSB-first radix select
-//     (passes of 8 bits from the top bit where the keys differ) finds the
-//     k-th largest key; one pass collects the keys above it and those equal
-//     to it (in index order when they overflow the buffer); a bitonic sort
-//     (shuffles within a warp, shared memory across) orders them (key
-//     descending, index ascending).
+//     registers when they fit (16 a thread), launched so that it may start
+//     while the score kernel finishes (cuda::LaunchOverlapped): a histogram
+//     of the keys' top 12 bits finds the bin of the k-th largest key; when
+//     that bin holds at most 1024 keys (the usual case), one pass takes the
+//     keys above it and gathers the bin's, and radix passes among those find
+//     the k-th key; else radix passes of 8 bits below the bin's prefix over
+//     the bin's keys (or all keys). The keys above it and those equal to it
+//     are collected (in index order when they overflow the buffer); a
+//     bitonic sort (shuffles within a warp, shared memory across) orders
+//     them (key descending, index ascending).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -39,6 +43,10 @@ constexpr int kRegKeys = 16;     // keys per select thread held in registers (n 
 constexpr int kMaxK = 4096;
 constexpr int kHistCopies = 8;      // radix histograms per select block
 constexpr int kHistStride = 257;
+constexpr int kTopBits = 12;        // the select's first histogram: the keys' top bits
+constexpr int kTopBins = 1 << kTopBits;
+constexpr int kTopCopies = 4;       // lane L counts into copy L mod 4
+constexpr int kBinKeysCap = kTopCopies * kTopBins;   // keys of one bin, in the same space
 constexpr int64_t kPerBlock = kBlockTokens / kCsaRatio;
 
 struct TokenInfo {
@@ -797,6 +805,99 @@ struct TokenKeys {
   }
 };
 
+// Warp 0 of a radix pass: in the 256-bin histogram `bins` of the keys
+// matching `pre` (digit at `shift`), the bin where the count from the top
+// reaches `need`; writes the key prefix with that digit to *s_prefix and the
+// count still needed within the bin to *s_need. Lane L reads bins
+// 8(31-L) .. + 7 (lane 0 the highest) and, with `clear`, zeroes them.
+__device__ __forceinline__ void CrossingBin(int* bins, uint32_t pre, int shift, uint32_t need,
+                                            bool clear, uint32_t* s_prefix, uint32_t* s_need) {
+  const int lane = threadIdx.x & 31;
+  const int base = 8 * (31 - lane);
+  int c[8], sum = 0;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    c[e] = bins[base + e];
+    sum += c[e];
+    if (clear) bins[base + e] = 0;
+  }
+  int incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const int excl = incl - sum;
+  const int want = static_cast<int>(need);
+  // the keys matching the prefix number at least `need`: one lane crosses
+  if (excl < want && incl >= want) {
+    int cum = excl;
+    for (int e = 7; e >= 0; --e) {
+      if (cum + c[e] >= want) {
+        *s_prefix = pre | (static_cast<uint32_t>(base + e) << shift);
+        *s_need = static_cast<uint32_t>(want - cum);
+        break;
+      }
+      cum += c[e];
+    }
+  }
+}
+
+// Radix passes, 8 bits each from bit `top` down, over the keys that
+// for_each(f) hands to f and that equal *prefix in the bits of `mask` (the
+// bits above top): the *need-th largest of them. On return *prefix is that
+// key and *need how many keys equal to it are taken. Every thread of the
+// block calls it; `hist` holds kHistCopies histograms of 256 bins.
+template <typename ForEachKey>
+__device__ void RadixSelect(ForEachKey for_each, int top, uint32_t mask, uint32_t* prefix,
+                            uint32_t* need, int* hist, uint32_t* s_prefix, uint32_t* s_need) {
+  const int tid = threadIdx.x;
+  for (; top >= 0; top -= 8) {
+    const int width = top + 1 < 8 ? top + 1 : 8;
+    const int shift = top + 1 - width;
+    for (int b = tid; b < kHistCopies * kHistStride; b += kSelectThreads) hist[b] = 0;
+    __syncthreads();
+    int* my_hist = hist + (tid % kHistCopies) * kHistStride;
+    const uint32_t pre = *prefix;
+    for_each([&](uint32_t key) {
+      if (key != 0 && (key & mask) == pre) atomicAdd(&my_hist[(key >> shift) & ((1u << width) - 1u)], 1);
+    });
+    __syncthreads();
+    if (tid < 256) {                           // copy 0 <- the sum of the copies
+      int sum = 0;
+#pragma unroll
+      for (int c = 0; c < kHistCopies; ++c) sum += hist[c * kHistStride + tid];
+      hist[tid] = sum;
+    }
+    __syncthreads();
+    if (tid < 32) CrossingBin(hist, pre, shift, *need, false, s_prefix, s_need);
+    __syncthreads();
+    *prefix = *s_prefix;
+    *need = *s_need;
+    mask |= ((1u << width) - 1u) << shift;
+    __syncthreads();
+  }
+}
+
+// RadixSelect for at most one key a thread (0: none): one histogram, which
+// must be zero on entry and is left zero, and two barriers a pass.
+__device__ void RadixSelectOneEach(uint32_t key, int top, uint32_t mask, uint32_t* prefix,
+                                   uint32_t* need, int* hist, uint32_t* s_prefix,
+                                   uint32_t* s_need) {
+  for (; top >= 0; top -= 8) {
+    const int width = top + 1 < 8 ? top + 1 : 8;
+    const int shift = top + 1 - width;
+    const uint32_t pre = *prefix;
+    if (key != 0 && (key & mask) == pre) atomicAdd(&hist[(key >> shift) & ((1u << width) - 1u)], 1);
+    __syncthreads();
+    if (threadIdx.x < 32) CrossingBin(hist, pre, shift, *need, true, s_prefix, s_need);
+    __syncthreads();
+    *prefix = *s_prefix;
+    *need = *s_need;
+    mask |= ((1u << width) - 1u) << shift;
+  }
+}
+
 // Composite sort key: rank key above, then the lower index first.
 __device__ __forceinline__ unsigned long long Composite(uint32_t key, int64_t i) {
   return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
@@ -865,14 +966,17 @@ static_assert(kSelectThreads == 1 << 10, "SortOnePerThread's cases");
 __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a, int kp,
                                                                 bool count_missing) {
 
-  extern __shared__ unsigned long long sel[];   // kp composite keys (2 kp when kp <= threads)
+  // kp composite keys (2 kp when kp <= threads), then the top-bits histograms
+  extern __shared__ unsigned long long sel[];
   // kHistCopies histograms, copy c at c * kHistStride (one bank apart): lane L
   // counts into copy L mod kHistCopies, so the lanes of a warp that hit one
-  // bin (the keys of a token crowd a few bins) conflict 4 ways, not 32
+  // bin (the keys below one top-bits bin crowd a few) conflict 4 ways, not 32
   __shared__ int hist[kHistCopies * kHistStride];
   __shared__ int warp_sums[kSelectThreads / 32];
   __shared__ uint32_t s_prefix, s_need, s_ncand;
-  __shared__ int s_gt, s_eq;
+  __shared__ int s_gt, s_eq, s_nb, s_bin, s_bin_count;
+  const int sel_words = kp <= kSelectThreads ? 2 * kp : kp;
+  cuda::WaitForPrevious();     // the score kernel's rank keys (launched overlapped)
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x;
   const int64_t l = *a.layer;
@@ -898,126 +1002,115 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     }
   }
 
-  // ---- range and count of the candidate keys (one pass, no atomics) ----
-  // Scores of one token are of similar size, so their rank keys share the
-  // top bits; a radix on fixed bytes would pile every key of the first pass
-  // into one or two bins (serialized shared atomics). The radix starts at
-  // the highest bit where the smallest and largest keys differ instead.
-  uint32_t lo = 0xffffffffu, hi = 0;
-  int cnt = 0;
-  keys.ForEach([&](uint32_t key, int64_t) {
-    if (key != 0) {
-      lo = min(lo, key);
-      hi = max(hi, key);
-      ++cnt;
-    }
-  });
-  lo = __reduce_min_sync(cuda::kFull, lo);
-  hi = __reduce_max_sync(cuda::kFull, hi);
-  cnt = static_cast<int>(__reduce_add_sync(cuda::kFull, static_cast<uint32_t>(cnt)));
-  __shared__ uint32_t w_lo[kSelectThreads / 32], w_hi[kSelectThreads / 32];
-  if ((tid & 31) == 0) {
-    w_lo[tid >> 5] = lo;
-    w_hi[tid >> 5] = hi;
-    warp_sums[tid >> 5] = cnt;
+  // ---- the K-th largest key (thr) and how many keys equal to it to take ----
+  // A histogram of the keys' top kTopBits bits (the rank key's sign,
+  // exponent and three mantissa bits: a token's scores spread over dozens of
+  // these bins) counts the candidates and finds the bin holding the K-th
+  // largest; that bin's keys are gathered into shared memory, and radix
+  // passes over the remaining 20 bits find it there. A bin too large for
+  // the buffer (scores crowded into one eighth of a binade) is searched by
+  // the same passes over all the keys instead.
+  int* top_hist = reinterpret_cast<int*>(sel + sel_words);   // kTopCopies x kTopBins
+  for (int b = tid; b < kTopCopies * kTopBins; b += kSelectThreads) top_hist[b] = 0;
+  for (int r = tid; r < kp; r += kSelectThreads) sel[r] = 0ull;
+  if (tid < 256) hist[tid] = 0;                // RadixSelectOneEach's histogram
+  if (tid == 0) s_gt = s_eq = s_nb = 0;
+  __syncthreads();
+  {
+    int* my_top = top_hist + (tid & (kTopCopies - 1)) * kTopBins;
+    keys.ForEach([&](uint32_t key, int64_t) {
+      if (key != 0) atomicAdd(&my_top[key >> (32 - kTopBits)], 1);
+    });
   }
   __syncthreads();
-  static_assert(kSelectThreads == 32 * 32, "one lane of warp 0 a warp");
-  if (tid < 32) {                              // lane w folds warp w's results
-    const uint32_t l0 = __reduce_min_sync(cuda::kFull, w_lo[tid]);
-    const uint32_t h0 = __reduce_max_sync(cuda::kFull, w_hi[tid]);
-    const uint32_t c0 = __reduce_add_sync(cuda::kFull, static_cast<uint32_t>(warp_sums[tid]));
-    if (tid == 0) {
-      s_ncand = c0;
-      s_prefix = h0;
-      s_need = l0 ^ h0;
+  {
+    // thread tid: bins 4(1023 - tid) .. + 3, so lower threads hold higher bins
+    static_assert(kTopBins == 4 * kSelectThreads, "four bins a thread");
+    const int b0 = kTopBins - 4 * (tid + 1);
+    int c[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int k = 0; k < kTopCopies; ++k) {
+      const int4 v = *reinterpret_cast<const int4*>(top_hist + k * kTopBins + b0);
+      c[0] += v.x, c[1] += v.y, c[2] += v.z, c[3] += v.w;
+    }
+    const int sum = c[0] + c[1] + c[2] + c[3];
+    int total;
+    int above = BlockExclusiveScan(sum, warp_sums, &total);   // keys in higher bins
+    if (tid == 0) s_ncand = static_cast<uint32_t>(total);
+    const int K = static_cast<int>(a.K);
+    if (total > K && above < K && above + sum >= K) {           // one thread crosses
+      for (int e = 3; e >= 0; --e) {
+        if (above + c[e] >= K) {
+          s_bin = b0 + e;
+          s_need = static_cast<uint32_t>(K - above);
+          s_bin_count = c[e];
+          break;
+        }
+        above += c[e];
+      }
     }
   }
   __syncthreads();
-  const uint32_t ncand = s_ncand, diff = s_need;
+  const uint32_t ncand = s_ncand;
+  // the common case: the bin holds at most a key a thread. One pass over
+  // the keys then takes those above the bin into sel and gathers the bin's
+  // (with their indices); the K-th largest is found among these alone.
+  const bool small_bin = ncand > static_cast<uint32_t>(a.K) && s_bin_count <= kSelectThreads;
+  unsigned long long* bin_buf = reinterpret_cast<unsigned long long*>(top_hist);  // once scanned
+  uint32_t* bin_keys = reinterpret_cast<uint32_t*>(top_hist);
+  unsigned long long own = 0;                  // small_bin: this thread's key of the bin
   uint32_t prefix = 0, need = 0;
   if (ncand > static_cast<uint32_t>(a.K)) {
-    // ---- radix select: the K-th largest key, 8 bits a pass from the top
-    // differing bit (keys equal above it are the common prefix) ----
-    need = static_cast<uint32_t>(a.K);
-    int top = diff ? 31 - __clz(diff) : -1;
-    uint32_t mask = top < 0 ? ~0u : top == 31 ? 0u : ~((2u << top) - 1u);   // bits above top
-    prefix = s_prefix & mask;
-    __syncthreads();
-    for (; top >= 0; top -= 8) {
-      const int width = top + 1 < 8 ? top + 1 : 8;
-      const int shift = top + 1 - width;
-      for (int b = tid; b < kHistCopies * kHistStride; b += kSelectThreads) hist[b] = 0;
-      __syncthreads();
-      int* my_hist = hist + (tid % kHistCopies) * kHistStride;
-      keys.ForEach([&](uint32_t key, int64_t) {
-        if (key != 0 && (key & mask) == prefix)
-          atomicAdd(&my_hist[(key >> shift) & ((1u << width) - 1u)], 1);
+    const uint32_t bin = static_cast<uint32_t>(s_bin);
+    need = s_need;
+    prefix = bin << (32 - kTopBits);
+    const uint32_t bin_mask = ~0u << (32 - kTopBits);
+    if (small_bin) {
+      keys.ForEach([&](uint32_t key, int64_t i) {
+        if (key == 0) return;
+        const uint32_t kb = key >> (32 - kTopBits);
+        if (kb > bin) sel[atomicAdd(&s_gt, 1)] = Composite(key, i);
+        else if (kb == bin) bin_buf[atomicAdd(&s_nb, 1)] = Composite(key, i);
       });
       __syncthreads();
-      if (tid < 256) {                           // copy 0 <- the sum of the copies
-        int sum = 0;
-#pragma unroll
-        for (int c = 0; c < kHistCopies; ++c) sum += hist[c * kHistStride + tid];
-        hist[tid] = sum;
-      }
+      if (tid < s_nb) own = bin_buf[tid];
+      RadixSelectOneEach(static_cast<uint32_t>(own >> 32), 31 - kTopBits, bin_mask, &prefix,
+                         &need, hist, &s_prefix, &s_need);
+    } else if (s_bin_count <= kBinKeysCap) {
+      keys.ForEach([&](uint32_t key, int64_t) {
+        if (key != 0 && (key & bin_mask) == prefix) bin_keys[atomicAdd(&s_nb, 1)] = key;
+      });
       __syncthreads();
-      if (tid < 32) {
-        // lane L holds bins 8(31-L) .. 8(31-L)+7: lane 0 the highest
-        const int base = 8 * (31 - tid);
-        int c[8], sum = 0;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          c[e] = hist[base + e];
-          sum += c[e];
-        }
-        int incl = sum;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          int y = __shfl_up_sync(0xffffffffu, incl, o);
-          if (tid >= o) incl += y;
-        }
-        const int excl = incl - sum;
-        // the keys matching the prefix number at least `need`: one lane crosses
-        if (excl < static_cast<int>(need) && incl >= static_cast<int>(need)) {
-          int cum = excl;
-          for (int e = 7; e >= 0; --e) {
-            if (cum + c[e] >= static_cast<int>(need)) {
-              s_prefix = prefix | (static_cast<uint32_t>(base + e) << shift);
-              s_need = need - static_cast<uint32_t>(cum);
-              break;
-            }
-            cum += c[e];
-          }
-        }
-      }
-      __syncthreads();
-      prefix = s_prefix;
-      need = s_need;
-      mask |= ((1u << width) - 1u) << shift;
-      __syncthreads();
+      const int nb = s_nb;
+      RadixSelect([&](auto f) { for (int r = tid; r < nb; r += kSelectThreads) f(bin_keys[r]); },
+                  31 - kTopBits, bin_mask, &prefix, &need, hist, &s_prefix, &s_need);
+    } else {
+      RadixSelect([&](auto f) { keys.ForEach([&](uint32_t key, int64_t) { f(key); }); },
+                  31 - kTopBits, bin_mask, &prefix, &need, hist, &s_prefix, &s_need);
     }
-    // top < 0 from the start: every candidate holds the same key; the first
-    // K by index are taken (prefix = that key, need = K)
   }
   const uint32_t thr = prefix;
   const int64_t m = ncand < static_cast<uint32_t>(a.K) ? ncand : a.K;
   const int64_t n_gt = m - need;   // keys above thr (all of them)
 
   // ---- collect: every key > thr, and every key == thr while they fit (the
-  // sort then puts the lowest indices first); in any order, one pass ----
-  for (int r = tid; r < kp; r += kSelectThreads) sel[r] = 0ull;
-  if (tid == 0) s_gt = s_eq = 0;
-  __syncthreads();
-  keys.ForEach([&](uint32_t key, int64_t i) {
-    if (key == 0 || key < thr) return;
+  // sort then puts the lowest indices first); in any order ----
+  const auto take = [&](uint32_t key, unsigned long long comp) {
     if (key > thr) {
-      sel[atomicAdd(&s_gt, 1)] = Composite(key, i);
+      sel[atomicAdd(&s_gt, 1)] = comp;
     } else if (need > 0) {
       const int e = atomicAdd(&s_eq, 1);
-      if (n_gt + e < kp) sel[n_gt + e] = Composite(key, i);
+      if (n_gt + e < kp) sel[n_gt + e] = comp;
     }
-  });
+  };
+  if (small_bin) {                             // the rest are in sel already
+    const uint32_t key = static_cast<uint32_t>(own >> 32);
+    if (key != 0 && key >= thr) take(key, own);
+  } else {
+    keys.ForEach([&](uint32_t key, int64_t i) {
+      if (key != 0 && key >= thr) take(key, Composite(key, i));
+    });
+  }
   __syncthreads();
   if (need > 0 && n_gt + s_eq > kp) {
     // more ties at thr than room: the first `need` by index, in index order
@@ -1130,9 +1223,18 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
   int kp = 1;
   while (kp < a.K) kp <<= 1;
   const unsigned grid = static_cast<unsigned>(a.T > 0 ? a.T : 1);
-  const size_t sel_bytes = (kp <= kSelectThreads ? 2 : 1) * kp * sizeof(unsigned long long);
-  SelectKernel<<<grid, kSelectThreads, sel_bytes, stream>>>(a, kp, a.q_format != kQueryMxfp4);
-  cudaError_t err = cudaGetLastError();
+  const size_t sel_bytes = (kp <= kSelectThreads ? 2 : 1) * kp * sizeof(unsigned long long) +
+                           kTopCopies * kTopBins * sizeof(int);
+  constexpr size_t kSelectMaxBytes = std::max(2 * kSelectThreads, kMaxK) * sizeof(unsigned long long) +
+                                     kTopCopies * kTopBins * sizeof(int);
+  static const cudaError_t select_opt_in = cudaFuncSetAttribute(
+      SelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSelectMaxBytes);
+  if (select_opt_in != cudaSuccess)
+    return ffi::Error::Internal(std::string("indexer_topk select shared memory: ") +
+                                cudaGetErrorString(select_opt_in));
+  cudaError_t err = cuda::LaunchOverlapped(SelectKernel, dim3(grid), dim3(kSelectThreads),
+                                           sel_bytes, stream, a, kp, a.q_format != kQueryMxfp4);
+  if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(err));
   return ffi::Error::Success();

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "dsv4/entries.h"
@@ -68,6 +69,53 @@ inline unsigned GridFor(int64_t work, int per_block, int waves) {
   if (want > cap) want = cap;
   if (want < 1) want = 1;
   return static_cast<unsigned>(want);
+}
+
+// Launches `kernel` so that it may start while the kernel before it on the
+// stream is still running (programmatic dependent launch, sm_90): its CTAs
+// do what needs nothing of that kernel, then WaitForPrevious(). Without the
+// feature (older devices, or a launch that refuses the attribute) it is an
+// ordinary launch: WaitForPrevious() then returns at once. DSV4_OVERLAP=0
+// (read once) makes every such launch ordinary, for comparisons.
+inline bool OverlapLaunches() {
+  static const bool on = [] {
+    const char* v = std::getenv("DSV4_OVERLAP");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+template <typename... Params, typename... Args>
+cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = OverlapLaunches() ? 1 : 0;
+  if (cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...) == cudaSuccess)
+    return cudaSuccess;
+  (void)cudaGetLastError();                       // clear it, then the plain launch
+  cfg.numAttrs = 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
+// The two sides of LaunchOverlapped: the earlier kernel lets the later one
+// start; the later one waits until the earlier has finished and its writes
+// are visible. Both are no-ops where the launch did not overlap.
+__device__ __forceinline__ void LetNextStart() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WaitForPrevious() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // The layer operand (a device scalar) checked against [0, L). A bad layer is

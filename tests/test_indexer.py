@@ -584,7 +584,9 @@ def test_long_context_past_register_capacity(impl):
     to 16384 keys a token in registers and re-reads the scratch row beyond),
     at the boundary (16384, 16385) and with a partial last warp (17500); k =
     512 (one register per thread in the sort), 1500 (the shared-memory sort);
-    random keys and six tie groups (the ordered collection of the ties)."""
+    random keys, six tie groups (the ordered collection of the ties), and one
+    key everywhere (more keys in the select's top-bits bin than its shared
+    buffer holds: the passes over all the keys)."""
     rng = np.random.default_rng(23)
     st = make_state(rng, R=2, max_context=131072)
     st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
@@ -592,7 +594,8 @@ def test_long_context_past_register_capacity(impl):
     slot = np.array([0, 1, 0, 1], np.int32)
     pos = np.array([131071, 69999, 65535, 65539], np.int32)
     q, w = queries(rng, 4)
-    for state, ks in ((st, (512, 1500)), (few_distinct_keys(rng, st), (512,))):
+    for state, ks in ((st, (512, 1500)), (few_distinct_keys(rng, st), (512,)),
+                      (few_distinct_keys(rng, st, n_distinct=1), (512,))):
         want_all, _ = expected(state, 1, slot, pos, q, w, max(ks), "mxfp4")
         for k in ks:
             got = np.asarray(run(state, 1, slot, pos, q, w, k, impl, return_state=False,
