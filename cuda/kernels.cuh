@@ -104,14 +104,9 @@ cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, s
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
 }
 
-// The two sides of LaunchOverlapped: the earlier kernel lets the later one
-// start; the later one waits until the earlier has finished and its writes
-// are visible. Both are no-ops where the launch did not overlap.
-__device__ __forceinline__ void LetNextStart() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// The overlapped kernel's side of LaunchOverlapped: waits until the kernel
+// before it has finished and its writes are visible (that kernel lets it
+// start as its CTAs exit). A no-op where the launch did not overlap.
 __device__ __forceinline__ void WaitForPrevious() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
