@@ -15,7 +15,10 @@
 //     a cp.async ring; see below).
 //  2. SelectKernel, one block of 1024 threads per token, the token's keys in
 //     registers when they fit (16 a thread), launched so that it may start
-//     while the score kernel finishes (cuda::LaunchOverlapped): a histogram
+//     while the score kernel finishes (cuda::LaunchOverlapped; the mxfp4
+//     score kernel lets it launch at once, so its CTAs take multiprocessors
+//     as score CTAs leave them and clear their shared memory before they
+//     wait for the scores): a histogram
 //     of the keys' top 12 bits finds the bin of the k-th largest key; when
 //     that bin holds at most 1024 keys (the usual case), one pass takes the
 //     keys above it and gathers the bin's, and radix passes among those find
@@ -632,6 +635,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   extern __shared__ __align__(16) uint32_t ring_dyn[];       // kRingBytes: the key rings
   __shared__ QueryOperands qo;
   __shared__ int32_t blocks_s[kMmaWarps * kMaxTilesPerWarp];
+  cuda::LetNextStart();        // the select may take multiprocessors this grid leaves
   const int64_t t = blockIdx.x;
   const TokenInfo ti = ReadToken(a, t);
   const int64_t span = static_cast<int64_t>(kMmaWarps) * tiles_per_warp * kTile;
@@ -736,7 +740,7 @@ int TilesPerWarp(int64_t T, int64_t E) {
 
 // Inclusive sum over the block's threads of one value each; returns the
 // exclusive prefix and (via *total) the block total. `warp_sums` holds
-// kSelectThreads / 32 ints.
+// kSelectThreads / 32 + 1 ints.
 __device__ int BlockExclusiveScan(int x, int* warp_sums, int* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int v = x;
@@ -747,14 +751,23 @@ __device__ int BlockExclusiveScan(int x, int* warp_sums, int* total) {
   }
   if (lane == 31) warp_sums[warp] = v;
   __syncthreads();
-  int before = 0, all = 0;
-  for (int w = 0; w < kSelectThreads / 32; ++w) {
-    int s = warp_sums[w];
-    if (w < warp) before += s;
-    all += s;
+  static_assert(kSelectThreads / 32 == 32, "warp 0 scans one warp sum a lane");
+  if (warp == 0) {                 // warp sums -> exclusive prefixes, the total last
+    const int own = warp_sums[lane];
+    int incl = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    __syncwarp();
+    warp_sums[lane] = incl - own;
+    if (lane == 31) warp_sums[32] = incl;
   }
   __syncthreads();
-  *total = all;
+  const int before = warp_sums[warp];
+  *total = warp_sums[32];
+  __syncthreads();                 // warp_sums may be reused at once
   return before + v - x;
 }
 
@@ -972,10 +985,17 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   // counts into copy L mod kHistCopies, so the lanes of a warp that hit one
   // bin (the keys below one top-bits bin crowd a few) conflict 4 ways, not 32
   __shared__ int hist[kHistCopies * kHistStride];
-  __shared__ int warp_sums[kSelectThreads / 32];
+  __shared__ int warp_sums[kSelectThreads / 32 + 1];
   __shared__ uint32_t s_prefix, s_need, s_ncand;
   __shared__ int s_gt, s_eq, s_nb, s_bin, s_bin_count;
   const int sel_words = kp <= kSelectThreads ? 2 * kp : kp;
+  // shared state first: it needs nothing of the score kernel
+  int* top_hist = reinterpret_cast<int*>(sel + sel_words);   // kTopCopies x kTopBins
+  for (int b = threadIdx.x; b < kTopCopies * kTopBins / 4; b += kSelectThreads)
+    reinterpret_cast<int4*>(top_hist)[b] = make_int4(0, 0, 0, 0);
+  for (int r = threadIdx.x; r < kp; r += kSelectThreads) sel[r] = 0ull;
+  if (threadIdx.x < 256) hist[threadIdx.x] = 0;      // RadixSelectOneEach's histogram
+  if (threadIdx.x == 0) s_gt = s_eq = s_nb = 0;
   cuda::WaitForPrevious();     // the score kernel's rank keys (launched overlapped)
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x;
@@ -1010,11 +1030,6 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   // passes over the remaining 20 bits find it there. A bin too large for
   // the buffer (scores crowded into one eighth of a binade) is searched by
   // the same passes over all the keys instead.
-  int* top_hist = reinterpret_cast<int*>(sel + sel_words);   // kTopCopies x kTopBins
-  for (int b = tid; b < kTopCopies * kTopBins; b += kSelectThreads) top_hist[b] = 0;
-  for (int r = tid; r < kp; r += kSelectThreads) sel[r] = 0ull;
-  if (tid < 256) hist[tid] = 0;                // RadixSelectOneEach's histogram
-  if (tid == 0) s_gt = s_eq = s_nb = 0;
   __syncthreads();
   {
     int* my_top = top_hist + (tid & (kTopCopies - 1)) * kTopBins;

@@ -105,11 +105,23 @@ cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, s
 }
 
 // The overlapped kernel's side of LaunchOverlapped: waits until the kernel
-// before it has finished and its writes are visible (that kernel lets it
-// start as its CTAs exit). A no-op where the launch did not overlap.
+// before it has finished and its writes are visible. A no-op where the
+// launch did not overlap.
 __device__ __forceinline__ void WaitForPrevious() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The earlier kernel's side: once every CTA of it has called this (or
+// exited), the overlapped kernel after it is launched, and its CTAs take the
+// multiprocessors this kernel's CTAs leave, each up to its WaitForPrevious().
+// Call it only when every CTA of this kernel is resident or done by then
+// (it is called by CTAs that run, so all have started): the later kernel
+// never holds resources an earlier CTA waits for.
+__device__ __forceinline__ void LetNextStart() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
