@@ -7,12 +7,14 @@ output) over the measured copy bandwidth, and the fp32 arithmetic floor
 (8192 multiplies + 8192 adds per entry and token, 128 lanes per SM).
 
 Per-call time: one jitted, unrolled loop of `--calls` calls and one of twice
-as many, each run `--repeats` times; the difference of the two medians over
-`--calls` is the time a call adds, and leaves out what one execution of a
+as many (the state carried from call to call, as a decode loop carries it),
+each run `--repeats` times; the difference of the two medians over
+`--calls` is the time a call adds. It leaves out what one execution of a
 jitted function costs on its own (host dispatch and the final sync: about
-0.4 ms on an H100 host, which spread over 20 calls added ~20 us to each
-call in runs 1-7). `us_per_exec` keeps that older figure: one execution's
-time over its calls.
+0.4 ms on an H100 host, which spread over 20 calls added ~20 us to each call
+in runs 1-7, whose loops also sliced q and w out of a stack and summed each
+call's indices: small XLA kernels between the calls). `us_per_exec` is one
+execution's time over its calls, dispatch included.
 
     python3 benchmarks/indexer.py [--json PATH] [--contexts 8192 65536 1048576]
 """
@@ -90,25 +92,33 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"
     rng = np.random.default_rng(1)
     slot = jnp.arange(B, dtype=jnp.int32)
     pos = jnp.full((B,), ctx - 1, jnp.int32)
-    qs = jnp.asarray(rng.standard_normal((2 * calls, B, 64, 128)), jnp.bfloat16)
-    ws = jnp.asarray(rng.standard_normal((2 * calls, B, 64)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, 64, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((B, 64)), jnp.float32)
 
-    @jax.jit
-    def many(st, qs, ws):
-        def body(c, qw):
-            idx = D.indexer_topk(st, 1, slot, pos, qw[0], qw[1], k, impl=impl,
-                                 q_format=q_format)
-            return c + idx[:, 0].sum(), None
-        # unrolled: a rolled scan adds a device-to-host loop test per call
-        return jax.lax.scan(body, jnp.int32(0), (qs, ws), unroll=True)[0]
+    def many(n):
+        # As a decode loop runs it: the state carried from call to call (its
+        # error counts updated in place), which also keeps every call alive;
+        # one q and w (slicing a stack of them would add a copy a call).
+        # Unrolled: a rolled scan adds a device-to-host loop test per call.
+        @jax.jit
+        def run(st, q, w):
+            def body(c, _):
+                s, _ = c
+                idx, s = D.indexer_topk(s, 1, slot, pos, q, w, k, impl=impl,
+                                        q_format=q_format, return_state=True)
+                return (s, idx), None
+            s, idx = jax.lax.scan(body, (st, jnp.zeros((B, k), jnp.int32)), None, length=n,
+                                  unroll=True)[0]
+            return idx[:, 0].sum() + s.errors.sum()
+        return run
 
     def median_s(n):
-        args = (st, qs[:n], ws[:n])
-        many(*args).block_until_ready()
+        run = many(n)
+        run(st, q, w).block_until_ready()
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            many(*args).block_until_ready()
+            run(st, q, w).block_until_ready()
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
