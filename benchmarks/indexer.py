@@ -86,6 +86,27 @@ def make_state(B, ctx, seed=0, keys="quantized"):
     return dataclasses.replace(st, block_table=bt, csa=csa)
 
 
+def decode_loop(slot, pos, k, calls, impl="cuda", q_format="mxfp4"):
+    """jitted (state, q, w) -> scalar: `calls` indexer_topk calls as a decode
+    loop makes them, the state carried from call to call (its error counts
+    updated in place, which also keeps every call alive), one q and w
+    (slicing a stack of them would add a copy a call). Unrolled: a rolled
+    scan adds a device-to-host loop test per call."""
+    T = slot.shape[0]
+
+    @jax.jit
+    def run(st, q, w):
+        def body(c, _):
+            s, _ = c
+            idx, s = D.indexer_topk(s, 1, slot, pos, q, w, k, impl=impl, q_format=q_format,
+                                    return_state=True)
+            return (s, idx), None
+        s, idx = jax.lax.scan(body, (st, jnp.zeros((T, k), jnp.int32)), None, length=calls,
+                              unroll=True)[0]
+        return idx[:, 0].sum() + s.errors.sum()
+    return run
+
+
 def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16",
           keys="quantized"):
     st = make_state(B, ctx, keys=keys)
@@ -95,25 +116,8 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"
     q = jnp.asarray(rng.standard_normal((B, 64, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((B, 64)), jnp.float32)
 
-    def many(n):
-        # As a decode loop runs it: the state carried from call to call (its
-        # error counts updated in place), which also keeps every call alive;
-        # one q and w (slicing a stack of them would add a copy a call).
-        # Unrolled: a rolled scan adds a device-to-host loop test per call.
-        @jax.jit
-        def run(st, q, w):
-            def body(c, _):
-                s, _ = c
-                idx, s = D.indexer_topk(s, 1, slot, pos, q, w, k, impl=impl,
-                                        q_format=q_format, return_state=True)
-                return (s, idx), None
-            s, idx = jax.lax.scan(body, (st, jnp.zeros((B, k), jnp.int32)), None, length=n,
-                                  unroll=True)[0]
-            return idx[:, 0].sum() + s.errors.sum()
-        return run
-
     def median_s(n):
-        run = many(n)
+        run = decode_loop(slot, pos, k, n, impl=impl, q_format=q_format)
         run(st, q, w).block_until_ready()
         ts = []
         for _ in range(repeats):

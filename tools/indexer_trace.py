@@ -4,7 +4,7 @@ at a time as a kernel profiler replays them.
 
     python3 tools/indexer_trace.py B ctx [calls]
 
-A loop of `calls` calls (state carried, as a decode step would) runs three
+benchmarks/indexer.py's loop of `calls` calls (state carried) runs three
 times under the profiler; the last run's events are printed, then the median
 duration of each kernel and the median time from one score kernel's start to
 the next (the period of one call).
@@ -22,8 +22,7 @@ import numpy as np
 from jax.profiler import ProfileData
 
 sys.path.insert(0, "benchmarks")
-import dsv4_jax as D  # noqa: E402
-from indexer import make_state  # noqa: E402
+from indexer import decode_loop, make_state  # noqa: E402
 
 B, ctx = int(sys.argv[1]), int(sys.argv[2])
 calls = int(sys.argv[3]) if len(sys.argv) > 3 else 6
@@ -33,19 +32,7 @@ slot = jnp.arange(B, dtype=jnp.int32)
 pos = jnp.full((B,), ctx - 1, jnp.int32)
 q = jnp.asarray(rng.standard_normal((B, 64, 128)), jnp.bfloat16)
 w = jnp.asarray(rng.standard_normal((B, 64)), jnp.float32)
-
-
-@jax.jit
-def loop(st, q, w):
-    def body(c, _):
-        s, _ = c
-        idx, s = D.indexer_topk(s, 1, slot, pos, q, w, 512, q_format="mxfp4", return_state=True)
-        return (s, idx), None
-    s, idx = jax.lax.scan(body, (st, jnp.zeros((B, 512), jnp.int32)), None, length=calls,
-                          unroll=True)[0]
-    return idx[:, 0].sum() + s.errors.sum()
-
-
+loop = decode_loop(slot, pos, 512, calls, impl="auto", q_format="mxfp4")
 loop(st, q, w).block_until_ready()
 d = tempfile.mkdtemp()
 with jax.profiler.trace(d):
