@@ -32,6 +32,14 @@ slot = jnp.arange(B, dtype=jnp.int32)
 pos = jnp.full((B,), ctx - 1, jnp.int32)
 q = jnp.asarray(rng.standard_normal((B, 64, 128)), jnp.bfloat16)
 w = jnp.asarray(rng.standard_normal((B, 64)), jnp.float32)
+
+
+def kernel_name(demangled):
+    """ScoreKernelMxfp4 of 'dsv4::(anonymous namespace)::ScoreKernelMxfp4(dsv4::...)'."""
+    base = demangled[:demangled.rfind("(")] if demangled.endswith(")") else demangled
+    return base.split("::")[-1]
+
+
 loop = decode_loop(slot, pos, 512, calls, impl="auto", q_format="mxfp4")
 loop(st, q, w).block_until_ready()
 d = tempfile.mkdtemp()
@@ -55,12 +63,12 @@ t0 = last[0][0]
 prev_end = None
 for s, dur, name in last:
     gap = "" if prev_end is None else f"{(s - prev_end) / 1e3:7.2f}"
-    short = name.split("::")[-1].split("(")[0]
+    short = kernel_name(name)
     print(f"{(s - t0) / 1e3:9.2f} us  {dur / 1e3:7.2f} us  gap {gap:>7s}  {short}")
     prev_end = s + dur
 by_name = collections.defaultdict(list)
 for s, dur, name in last:
-    by_name[name.split("::")[-1].split("(")[0]].append(dur / 1e3)
+    by_name[kernel_name(name)].append(dur / 1e3)
 for name, ds in by_name.items():
     print(f"{name}: median {statistics.median(ds):.2f} us")
 starts = [s for s, _, name in last if "Score" in name]
