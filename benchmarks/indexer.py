@@ -6,15 +6,19 @@ bytes-moved floor (every visible key read once, 68 B each, plus q and the
 output) over the measured copy bandwidth, and the fp32 arithmetic floor
 (8192 multiplies + 8192 adds per entry and token, 128 lanes per SM).
 
-Per-call time: one jitted, unrolled loop of `--calls` calls and one of twice
-as many (the state carried from call to call, as a decode loop carries it),
-each run `--repeats` times; the difference of the two medians over
-`--calls` is the time a call adds. It leaves out what one execution of a
-jitted function costs on its own (host dispatch and the final sync: about
-0.4 ms on an H100 host, which spread over 20 calls added ~20 us to each call
-in runs 1-7, whose loops also sliced q and w out of a stack and summed each
-call's indices: small XLA kernels between the calls). `us_per_exec` is one
-execution's time over its calls, dispatch included.
+Per-call time: one jitted, unrolled loop of `--calls` calls (the state
+carried from call to call, as a decode loop carries it) runs under the
+profiler, and a call's time is the median time from one score kernel's start
+to the next on the GPU's own timeline (CUPTI, benchmarks/device_timeline.py):
+everything the op does on the device, gaps included, none of the host's
+dispatch. Runs 1-8 took host times instead: run 8 the difference of loops of
+20 and 40 calls, which the host's dispatch, overlapping the GPU's work by a
+varying amount, moved both ways (54.9 to 67.3 us for one 63.5 us call, on
+one machine); runs 1-7 one loop's time over its calls, dispatch included.
+That last figure is still printed (`w/ disp`, the median of `--repeats`
+runs). The copy bandwidth is the same kind of device time: one kernel
+reading and writing 1 GiB (host-timed before run 9, which undercounted it by
+the dispatch). With `--impl cpu` (a smoke run) host times stand in.
 
     python3 benchmarks/indexer.py [--json PATH] [--contexts 8192 65536 1048576]
 """
@@ -32,15 +36,20 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax as D
+from device_timeline import kernel_events, median_period_us
 
 KEY_BYTES = 68
 
 
-def copy_bandwidth(nbytes=1 << 30, reps=10):
-    """Device copy bandwidth in B/s (bytes read + bytes written)."""
+def copy_bandwidth(nbytes=1 << 30, reps=5):
+    """Device copy bandwidth in B/s (bytes read + bytes written): the fastest
+    of `reps` runs of one kernel (x + 1) on the GPU's timeline, or host-timed
+    where there is no GPU."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     f = jax.jit(lambda x: x + 1.0)
-    f(x).block_until_ready()
+    events = kernel_events(f, x, runs=reps)
+    if events:
+        return 2 * nbytes / (min(d for _, d, _ in events) * 1e-9)
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -116,25 +125,23 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"
     q = jnp.asarray(rng.standard_normal((B, 64, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((B, 64)), jnp.float32)
 
-    def median_s(n):
-        run = decode_loop(slot, pos, k, n, impl=impl, q_format=q_format)
+    run = decode_loop(slot, pos, k, calls, impl=impl, q_format=q_format)
+    run(st, q, w).block_until_ready()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
         run(st, q, w).block_until_ready()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(st, q, w).block_until_ready()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    t1, t2 = median_s(calls), median_s(2 * calls)
-    us = (t2 - t1) / calls * 1e6
-    us_per_exec = t1 / calls * 1e6
+        ts.append(time.perf_counter() - t0)
+    us_per_exec = statistics.median(ts) / calls * 1e6
+    period = median_period_us(kernel_events(run, st, q, w), "Score") if impl == "cuda" else None
+    us = period if period is not None else us_per_exec
     entries = ctx // 4
     nbytes = B * (entries * KEY_BYTES + 64 * 128 * 2 + 64 * 4 + k * 4)
     floor_bytes_us = nbytes / bw * 1e6
     floor_ops_us = B * entries * 8192 * 2 / lane_rate * 1e6
     del st
     return dict(B=B, context=ctx, k=k, q_format=q_format, keys=keys, us=us,
+                timing="host" if period is None else "device",
                 us_per_exec=us_per_exec, bytes=nbytes, floor_bytes_us=floor_bytes_us,
                 ratio_bytes=us / floor_bytes_us, floor_fp32_us=floor_ops_us,
                 ratio_fp32=us / floor_ops_us)
