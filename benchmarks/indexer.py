@@ -11,15 +11,11 @@ carried from call to call, as a decode loop carries it) runs under the
 profiler, and a call's time is the median time from one score kernel's start
 to the next on the GPU's own timeline (CUPTI, benchmarks/device_timeline.py):
 everything the op does on the device, gaps included, none of the host's
-dispatch. Runs 1-8 took host times instead: run 8 the difference of loops of
-N and 2N calls over N, which the host's dispatch, overlapping the GPU's work
-by an amount that depends on the loop's length, moved both ways (54.9 us
-with N = 20 and 65.1 us with N = 40, on one machine, for a call of 63.5 us
-on the device); runs 1-7 one loop's time over its calls, dispatch included.
-That last figure is still printed (`w/ disp`, the median of `--repeats`
-runs). The copy bandwidth is the same kind of device time: one kernel
-reading and writing 1 GiB (host-timed before run 9, which undercounted it by
-the dispatch). With `--impl cpu` (a smoke run) host times stand in.
+dispatch (host-timed loops, as in runs 1-8 of benchmarks/RESULTS-indexer.md,
+carry a share of the dispatch that varies with the loop's length). `w/ disp`
+is one loop's host time over its calls, the median of `--repeats` runs. The
+copy bandwidth behind the floor is device time too: one kernel reading and
+writing 1 GiB. With `--impl cpu` (a smoke run) host times stand in.
 
     python3 benchmarks/indexer.py [--json PATH] [--contexts 8192 65536 1048576]
 """
