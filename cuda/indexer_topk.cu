@@ -14,7 +14,9 @@
 //     itself, int8 dot products on the tensor cores, keys streamed through
 //     a cp.async ring; see below).
 //  2. SelectKernel, one block of 1024 threads per token, the token's keys in
-//     registers when they fit (16 a thread), launched so that it may start
+//     registers when they fit (16 a thread; past 16384 keys a cluster of up
+//     to 8 blocks a token, each counting its chunk, see SelectCtas and the
+//     kernel), launched so that it may start
 //     while the score kernel finishes (cuda::LaunchOverlapped; the mxfp4
 //     score kernel lets it launch at once, so its CTAs take multiprocessors
 //     as score CTAs leave them and clear their shared memory before they
@@ -27,6 +29,7 @@
 //     are collected (in index order when they overflow the buffer); a
 //     bitonic sort (shuffles within a warp, shared memory across) orders
 //     them (key descending, index ascending).
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -39,6 +42,8 @@
 
 namespace dsv4 {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kScoreThreads = 256;
 constexpr int kSelectThreads = 1024;
@@ -771,38 +776,16 @@ __device__ int BlockExclusiveScan(int x, int* warp_sums, int* total) {
   return before + v - x;
 }
 
-// One token's rank keys as the select reads them: held in registers (16 a
-// thread, key tid + u * kSelectThreads in r[u]) when n <= kRegKeys *
-// kSelectThreads, so every pass after the first load costs no memory
-// traffic; else read from the scratch row on each pass.
-struct TokenKeys {
+// Rank keys first .. first + n - 1 of a token's scratch row (`keys` points
+// at key `first`), read from memory: f(key, index) for each, eight loads
+// issued before their uses. Every lane of a warp makes the same calls (a key
+// past n reads as 0), so f may use warp-wide votes.
+struct KeyRow {
   const uint32_t* keys;
-  int64_t n;
-  bool in_regs;
-  uint32_t r[kRegKeys];
+  int64_t n, first;
 
-  __device__ TokenKeys(const uint32_t* k, int64_t count)
-      : keys(k), n(count), in_regs(count <= kRegKeys * kSelectThreads) {
-    if (in_regs) {
-#pragma unroll
-      for (int u = 0; u < kRegKeys; ++u) {
-        const int64_t i = threadIdx.x + u * kSelectThreads;
-        r[u] = i < n ? keys[i] : 0u;
-      }
-    }
-  }
-
-  // f(key, index) for every key of this thread (0 keys included: callers skip
-  // them). Every lane of a warp makes the same calls (a key past n reads as
-  // 0), so f may use warp-wide votes. From memory, eight loads are issued
-  // before their uses.
   template <typename F>
   __device__ __forceinline__ void ForEach(F f) const {
-    if (in_regs) {
-#pragma unroll
-      for (int u = 0; u < kRegKeys; ++u) f(r[u], threadIdx.x + u * kSelectThreads);
-      return;
-    }
     constexpr int kUnroll = 8;
     const int64_t warp_first = threadIdx.x & ~31;
     for (int64_t base = 0; warp_first + base < n; base += kUnroll * kSelectThreads) {
@@ -813,8 +796,35 @@ struct TokenKeys {
         k[u] = i < n ? keys[i] : 0u;
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) f(k[u], base + threadIdx.x + u * kSelectThreads);
+      for (int u = 0; u < kUnroll; ++u) f(k[u], first + base + threadIdx.x + u * kSelectThreads);
     }
+  }
+};
+
+// A KeyRow as one select CTA reads it: held in registers (16 a thread, key
+// tid + u * kSelectThreads in r[u]) when n <= kRegKeys * kSelectThreads, so
+// every pass after the first load costs no memory traffic; else read from
+// the scratch row on each pass. Keys past n read as 0 (callers skip them).
+struct TokenKeys {
+  KeyRow row;
+  bool in_regs;
+  uint32_t r[kRegKeys];
+
+  __device__ explicit TokenKeys(KeyRow kr) : row(kr), in_regs(kr.n <= kRegKeys * kSelectThreads) {
+    if (in_regs) {
+#pragma unroll
+      for (int u = 0; u < kRegKeys; ++u) {
+        const int64_t i = threadIdx.x + u * kSelectThreads;
+        r[u] = i < row.n ? row.keys[i] : 0u;
+      }
+    }
+  }
+
+  template <typename F>
+  __device__ __forceinline__ void ForEach(F f) const {
+    if (!in_regs) return row.ForEach(f);
+#pragma unroll
+    for (int u = 0; u < kRegKeys; ++u) f(r[u], row.first + threadIdx.x + u * kSelectThreads);
   }
 };
 
@@ -974,10 +984,24 @@ __device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
 }
 static_assert(kSelectThreads == 1 << 10, "SortOnePerThread's cases");
 
+// The select's CTAs of one token form a cluster of `ctas` (1: a lone CTA).
+// Each holds a contiguous chunk of the token's keys; rank 0, the leader,
+// finishes the selection with what the others hand it through distributed
+// shared memory.
+__device__ __forceinline__ void SelectSync(int ctas) {
+  if (ctas > 1) cg::this_cluster().sync();   // release / acquire across the cluster
+  else __syncthreads();
+}
+// Where `p` (this CTA's shared memory) lies in CTA `rank` of the cluster.
+template <typename T>
+__device__ __forceinline__ T* InCta(T* p, int rank, int ctas) {
+  return ctas > 1 ? cg::this_cluster().map_shared_rank(p, rank) : p;
+}
+
 // count_missing: the score kernel did not count the token's missing blocks
 // (the mxfp4 one does, as it reads the block table).
 __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a, int kp,
-                                                                bool count_missing) {
+                                                                bool count_missing, int ctas) {
 
   // kp composite keys (2 kp when kp <= threads), then the top-bits histograms
   extern __shared__ unsigned long long sel[];
@@ -985,6 +1009,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   // counts into copy L mod kHistCopies, so the lanes of a warp that hit one
   // bin (the keys below one top-bits bin crowd a few) conflict 4 ways, not 32
   __shared__ int hist[kHistCopies * kHistStride];
+  __shared__ __align__(16) int chunk_top[kTopBins];   // this CTA's top-bits counts, summed
   __shared__ int warp_sums[kSelectThreads / 32 + 1];
   __shared__ uint32_t s_prefix, s_need, s_ncand;
   __shared__ int s_gt, s_eq, s_nb, s_bin, s_bin_count;
@@ -997,14 +1022,16 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   if (threadIdx.x < 256) hist[threadIdx.x] = 0;      // RadixSelectOneEach's histogram
   if (threadIdx.x == 0) s_gt = s_eq = s_nb = 0;
   cuda::WaitForPrevious();     // the score kernel's rank keys (launched overlapped)
-  const int64_t t = blockIdx.x;
+  const int rank = ctas > 1 ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
+  const int64_t t = blockIdx.x / ctas;
   const int tid = threadIdx.x;
   const int64_t l = *a.layer;
-  if (t == 0 && tid == 0 && (l < 0 || l >= a.L)) atomicAdd(&a.errors[kBadLayer], 1);
-  if (t >= a.T) return;
+  if (blockIdx.x == 0 && tid == 0 && (l < 0 || l >= a.L)) atomicAdd(&a.errors[kBadLayer], 1);
+  if (t >= a.T) return;                        // whole clusters: the grid is T * ctas
   int32_t* out = a.indices + t * a.K;
   const TokenInfo ti = ReadToken(a, t);
-  if (!ti.ok) {
+  if (!ti.ok) {                                // the same for every CTA of the cluster
+    if (rank != 0) return;
     if (tid == 0 && l >= 0 && l < a.L) {
       const int64_t s = a.slot[t];
       if (s != -1 && (s < 0 || s >= a.R)) atomicAdd(&a.errors[kBadSlot], 1);
@@ -1014,8 +1041,11 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     return;
   }
   const int64_t n = ti.n;
-  const TokenKeys keys(a.scratch + t * a.E, n);
-  if (count_missing) {
+  const uint32_t* row = a.scratch + t * a.E;
+  const int64_t chunk = (n + ctas - 1) / ctas;
+  const int64_t lo = min(n, rank * chunk), hi = min(n, lo + chunk);
+  const TokenKeys keys(KeyRow{row + lo, hi - lo, lo});
+  if (count_missing && rank == 0) {
     for (int64_t j = tid; j * kPerBlock < n; j += kSelectThreads) {
       const int64_t b = a.block_table[ti.slot * a.MB + j];
       if (b < 0 || b >= a.N) atomicAdd(&a.errors[kMissingBlock], 1);
@@ -1029,7 +1059,9 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   // largest; that bin's keys are gathered into shared memory, and radix
   // passes over the remaining 20 bits find it there. A bin too large for
   // the buffer (scores crowded into one eighth of a binade) is searched by
-  // the same passes over all the keys instead.
+  // the same passes over all the keys instead. In a cluster every CTA counts
+  // its chunk, reads the others' counts and finds the same bin; each then
+  // hands the leader its keys above the bin and in it.
   __syncthreads();
   {
     int* my_top = top_hist + (tid & (kTopCopies - 1)) * kTopBins;
@@ -1038,14 +1070,23 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     });
   }
   __syncthreads();
+  // thread tid: bins 4(1023 - tid) .. + 3, so lower threads hold higher bins
+  static_assert(kTopBins == 4 * kSelectThreads, "four bins a thread");
+  const int b0 = kTopBins - 4 * (tid + 1);
   {
-    // thread tid: bins 4(1023 - tid) .. + 3, so lower threads hold higher bins
-    static_assert(kTopBins == 4 * kSelectThreads, "four bins a thread");
-    const int b0 = kTopBins - 4 * (tid + 1);
-    int c[4] = {0, 0, 0, 0};
+    int4 c = make_int4(0, 0, 0, 0);
 #pragma unroll
     for (int k = 0; k < kTopCopies; ++k) {
       const int4 v = *reinterpret_cast<const int4*>(top_hist + k * kTopBins + b0);
+      c.x += v.x, c.y += v.y, c.z += v.z, c.w += v.w;
+    }
+    *reinterpret_cast<int4*>(chunk_top + b0) = c;
+  }
+  SelectSync(ctas);                            // every chunk counted
+  {
+    int c[4] = {0, 0, 0, 0};
+    for (int r = 0; r < ctas; ++r) {
+      const int4 v = *reinterpret_cast<const int4*>(InCta(chunk_top, r, ctas) + b0);
       c[0] += v.x, c[1] += v.y, c[2] += v.z, c[3] += v.w;
     }
     const int sum = c[0] + c[1] + c[2] + c[3];
@@ -1067,32 +1108,54 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   }
   __syncthreads();
   const uint32_t ncand = s_ncand;
+  const bool all_taken = ncand <= static_cast<uint32_t>(a.K);
   // the common case: the bin holds at most a key a thread. One pass over
   // the keys then takes those above the bin into sel and gathers the bin's
   // (with their indices); the K-th largest is found among these alone.
-  const bool small_bin = ncand > static_cast<uint32_t>(a.K) && s_bin_count <= kSelectThreads;
-  unsigned long long* bin_buf = reinterpret_cast<unsigned long long*>(top_hist);  // once scanned
+  const bool small_bin = !all_taken && s_bin_count <= kSelectThreads;
+  unsigned long long* bin_buf = reinterpret_cast<unsigned long long*>(top_hist);  // once summed
   uint32_t* bin_keys = reinterpret_cast<uint32_t*>(top_hist);
+  const uint32_t bin = all_taken ? 0u : static_cast<uint32_t>(s_bin);
+  {
+    // into the leader's sel and bin_buf (its top_hist copies, which nobody
+    // reads after the sync above), in any order. One atomic a warp and list
+    // measured no faster, here and in a cluster.
+    unsigned long long* lead_sel = InCta(sel, 0, ctas);
+    unsigned long long* lead_bin = InCta(bin_buf, 0, ctas);
+    int* lead_gt = InCta(&s_gt, 0, ctas);
+    int* lead_nb = InCta(&s_nb, 0, ctas);
+    if (all_taken) {                           // every candidate
+      keys.ForEach([&](uint32_t key, int64_t i) {
+        if (key != 0) lead_sel[atomicAdd(lead_gt, 1)] = Composite(key, i);
+      });
+    } else if (small_bin) {
+      keys.ForEach([&](uint32_t key, int64_t i) {
+        if (key == 0) return;
+        const uint32_t kb = key >> (32 - kTopBits);
+        if (kb > bin) lead_sel[atomicAdd(lead_gt, 1)] = Composite(key, i);
+        else if (kb == bin) lead_bin[atomicAdd(lead_nb, 1)] = Composite(key, i);
+      });
+    }
+  }
+  SelectSync(ctas);                            // the leader holds every handed key
+  if (rank != 0) return;                       // nothing reads this CTA's memory any more
+  // the leader's passes over all the token's keys (the large-bin paths)
+  const auto for_all = [&](auto f) {
+    if (ctas == 1) keys.ForEach(f);
+    else KeyRow{row, n, 0}.ForEach(f);
+  };
   unsigned long long own = 0;                  // small_bin: this thread's key of the bin
   uint32_t prefix = 0, need = 0;
-  if (ncand > static_cast<uint32_t>(a.K)) {
-    const uint32_t bin = static_cast<uint32_t>(s_bin);
+  if (!all_taken) {
     need = s_need;
     prefix = bin << (32 - kTopBits);
     const uint32_t bin_mask = ~0u << (32 - kTopBits);
     if (small_bin) {
-      keys.ForEach([&](uint32_t key, int64_t i) {
-        if (key == 0) return;
-        const uint32_t kb = key >> (32 - kTopBits);
-        if (kb > bin) sel[atomicAdd(&s_gt, 1)] = Composite(key, i);
-        else if (kb == bin) bin_buf[atomicAdd(&s_nb, 1)] = Composite(key, i);
-      });
-      __syncthreads();
       if (tid < s_nb) own = bin_buf[tid];
       RadixSelectOneEach(static_cast<uint32_t>(own >> 32), 31 - kTopBits, bin_mask, &prefix,
                          &need, hist, &s_prefix, &s_need);
     } else if (s_bin_count <= kBinKeysCap) {
-      keys.ForEach([&](uint32_t key, int64_t) {
+      for_all([&](uint32_t key, int64_t) {
         if (key != 0 && (key & bin_mask) == prefix) bin_keys[atomicAdd(&s_nb, 1)] = key;
       });
       __syncthreads();
@@ -1100,12 +1163,12 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
       RadixSelect([&](auto f) { for (int r = tid; r < nb; r += kSelectThreads) f(bin_keys[r]); },
                   31 - kTopBits, bin_mask, &prefix, &need, hist, &s_prefix, &s_need);
     } else {
-      RadixSelect([&](auto f) { keys.ForEach([&](uint32_t key, int64_t) { f(key); }); },
+      RadixSelect([&](auto f) { for_all([&](uint32_t key, int64_t) { f(key); }); },
                   31 - kTopBits, bin_mask, &prefix, &need, hist, &s_prefix, &s_need);
     }
   }
   const uint32_t thr = prefix;
-  const int64_t m = ncand < static_cast<uint32_t>(a.K) ? ncand : a.K;
+  const int64_t m = all_taken ? ncand : a.K;
   const int64_t n_gt = m - need;   // keys above thr (all of them)
 
   // ---- collect: every key > thr, and every key == thr while they fit (the
@@ -1121,8 +1184,8 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   if (small_bin) {                             // the rest are in sel already
     const uint32_t key = static_cast<uint32_t>(own >> 32);
     if (key != 0 && key >= thr) take(key, own);
-  } else {
-    keys.ForEach([&](uint32_t key, int64_t i) {
+  } else if (!all_taken) {                     // all_taken: every key is in sel
+    for_all([&](uint32_t key, int64_t i) {
       if (key != 0 && key >= thr) take(key, Composite(key, i));
     });
   }
@@ -1170,6 +1233,27 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   }
   for (int64_t r = tid; r < a.K; r += kSelectThreads)
     out[r] = r < m ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(sel[r])) : -1;
+}
+
+// CTAs a token's select spreads over (one cluster): the fewest that hold
+// their chunks of the E keys in registers, at most kMaxSelectCtas (the
+// portable cluster size). On an H100 (benchmarks/RESULTS-indexer.md, run
+// 10) spreading a select that fits one CTA was slower (the cluster barriers
+// and hand-off cost more than the shorter passes save), and clusters of 16
+// were slower than 8 at 1M context (a 16-CTA cluster needs a whole GPC free).
+// DSV4_SELECT_CTAS=n (1, 2, 4 or 8; read once) fixes it, for comparisons.
+constexpr int kMaxSelectCtas = 8;
+
+int SelectCtas(int64_t E) {
+  static const int forced = [] {
+    const char* v = std::getenv("DSV4_SELECT_CTAS");
+    const int n = v ? std::atoi(v) : 0;
+    return n >= 1 && n <= kMaxSelectCtas && (n & (n - 1)) == 0 ? n : 0;
+  }();
+  if (forced) return forced;
+  int ctas = 1;
+  while (ctas < kMaxSelectCtas && E > ctas * int64_t{kRegKeys * kSelectThreads}) ctas *= 2;
+  return ctas;
 }
 
 // Which score kernel runs. Both give the same bits. On an H100 (see
@@ -1237,7 +1321,6 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
   }
   int kp = 1;
   while (kp < a.K) kp <<= 1;
-  const unsigned grid = static_cast<unsigned>(a.T > 0 ? a.T : 1);
   const size_t sel_bytes = (kp <= kSelectThreads ? 2 : 1) * kp * sizeof(unsigned long long) +
                            kTopCopies * kTopBins * sizeof(int);
   constexpr size_t kSelectMaxBytes = std::max(2 * kSelectThreads, kMaxK) * sizeof(unsigned long long) +
@@ -1247,8 +1330,14 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
   if (select_opt_in != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk select shared memory: ") +
                                 cudaGetErrorString(select_opt_in));
-  cudaError_t err = cuda::LaunchOverlapped(SelectKernel, dim3(grid), dim3(kSelectThreads),
-                                           sel_bytes, stream, a, kp, a.q_format != kQueryMxfp4);
+  const int ctas = a.T > 0 ? SelectCtas(a.E) : 1;
+  if (a.T * ctas > 0x7fffffff)
+    return ffi::Error::InvalidArgument("indexer_topk: too many tokens for one select grid");
+  const unsigned grid = static_cast<unsigned>(a.T > 0 ? a.T * ctas : 1);
+  cudaError_t err =
+      cuda::LaunchOverlapped(SelectKernel, dim3(grid), dim3(kSelectThreads), sel_bytes,
+                             static_cast<unsigned>(ctas), stream, a, kp,
+                             a.q_format != kQueryMxfp4, ctas);
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(err));

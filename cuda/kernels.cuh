@@ -84,23 +84,37 @@ inline bool OverlapLaunches() {
   }();
   return on;
 }
+// `cluster_x` > 1 groups that many consecutive CTAs (along x) into a
+// thread-block cluster, with or without the overlap.
 template <typename... Params, typename... Args>
 cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                             cudaStream_t stream, Args... args) {
+                             unsigned cluster_x, cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  const int plain = n;                            // the attributes without the overlap
+  if (OverlapLaunches()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = OverlapLaunches() ? 1 : 0;
-  if (cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...) == cudaSuccess)
-    return cudaSuccess;
-  (void)cudaGetLastError();                       // clear it, then the plain launch
-  cfg.numAttrs = 0;
+  cfg.numAttrs = n;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  if (err == cudaSuccess || n == plain) return err;
+  (void)cudaGetLastError();                       // clear it, then without the overlap
+  cfg.numAttrs = plain;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
 }
 

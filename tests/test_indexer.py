@@ -67,19 +67,13 @@ def host_keys(st, kind_idx, slot, n, with_codes=False):
     scale = np.asarray(st.csa.index.scale).view(np.uint8)[kind_idx].astype(np.int64)
     bt = np.asarray(st.block_table)[slot]
     N = packed.shape[0]
-    keys = np.zeros((n, 128))
-    ok = np.zeros(n, bool)
-    codes = np.zeros((n, 128), np.int64)
-    sbytes = np.full((n, 4), 127, np.int64)
-    for i in range(n):
-        b = bt[i // 32]
-        if not 0 <= b < N:
-            continue
-        ok[i] = True
-        by = packed[b, i % 32]
-        codes[i] = np.stack([by & 15, by >> 4], -1).reshape(128)
-        sbytes[i] = scale[b, i % 32]
-        keys[i] = E2M1[codes[i]] * np.repeat(2.0 ** (scale[b, i % 32] - 127), 32)
+    i = np.arange(n)
+    b = bt[i // 32]
+    ok = (b >= 0) & (b < N)
+    by = packed[np.where(ok, b, 0), i % 32]                      # [n, 64]
+    codes = np.where(ok[:, None], np.stack([by & 15, by >> 4], -1).reshape(n, 128), 0)
+    sbytes = np.where(ok[:, None], scale[np.where(ok, b, 0), i % 32], 127)
+    keys = np.where(ok[:, None], E2M1[codes] * np.repeat(2.0 ** (sbytes - 127), 32, axis=1), 0.)
     if with_codes:
         return keys, ok, codes, sbytes
     return keys, ok
@@ -114,7 +108,9 @@ def replay_f32_mxfp4(key_codes, key_scale, q, w):
     qv, qs = npq.mxfp4_roundtrip(np.asarray(q, np.float32))
     qs = qs.reshape(64, 4, 32)[..., 0]
     q2 = np.rint(2 * qv.reshape(64, 4, 32) / qs[..., None]).astype(np.int64)
-    S = np.einsum("nbj,hbj->nhb", k2, q2)                         # exact integers
+    # exact integers (|S| <= 32 * 12 * 12), in float64 for the BLAS
+    S = np.einsum("nbj,hbj->nhb", k2.astype(np.float64), q2.astype(np.float64),
+                  optimize=True).astype(np.int64)
     u = S.astype(np.float32) * K[:, None, :]
     Q = (qs / 4).astype(np.float32)
     d = u[..., 0] * Q[None, :, 0]
@@ -601,6 +597,48 @@ def test_long_context_past_register_capacity(impl):
             got = np.asarray(run(state, 1, slot, pos, q, w, k, impl, return_state=False,
                                  q_format="mxfp4"))
             np.testing.assert_array_equal(got, want_all[:, :k], err_msg=f"k={k}")
+
+
+@pytest.mark.parametrize("max_context", [262144, 1048576])
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
+                                  pytest.param("cuda", marks=CUDA)])
+def test_select_spread_over_a_cluster(impl, max_context):
+    """Past 16384 visible entries a token's CUDA select spreads over a
+    cluster of CTAs (SelectCtas in cuda/indexer_topk.cu: 4 here at 65536
+    entries, 8 at 262144, whose chunks exceed a CTA's registers), each counting
+    its chunk of the keys and handing the leader its candidates. Every path
+    of it: random keys (a small top-bits bin), six tie groups, one key
+    everywhere (a bin larger than the buffer: the leader's passes over all
+    the keys); k = 512 and 1500 (the shared-memory sort); a token with fewer
+    candidates than k (all taken), one with fewer entries than CTAs, a
+    padding token, and a missing block (counted once a token that needs
+    it, by the score kernel in "mxfp4" and by the select's leader in
+    "bf16", whose indices this test does not replay: too large a replay)."""
+    if impl == "cpu" and max_context > 262144:
+        pytest.skip("the CPU handler at 1M context: minutes")
+    rng = np.random.default_rng(29)
+    st = make_state(rng, R=2, max_context=max_context)
+    MB = st.config.max_blocks_per_request
+    bt = np.stack([np.r_[b] for b in random_blocks(rng, st.config, range(2)).values()])
+    bt[1, MB // 2 + 1] = -1                    # slot 1: a missing block past its middle
+    st = dataclasses.replace(st, block_table=jnp.asarray(bt.astype(np.int32)))
+    slot = np.array([0, 1, 0, -1, 1, 0], np.int32)
+    pos = np.array([max_context - 1, max_context - 1, 9, 100, max_context // 2 + 200, 1999],
+                   np.int32)
+    missing = sum(1 for s, p in zip(slot, pos)
+                  if s == 1 and visible(int(p), MB) > (MB // 2 + 1) * 32)
+    q, w = queries(rng, len(slot))
+    for state, ks in ((st, (512, 1500)), (few_distinct_keys(rng, st), (512,)),
+                      (few_distinct_keys(rng, st, n_distinct=1), (512,))):
+        want_all, _ = expected(state, 1, slot, pos, q, w, max(ks), "mxfp4")
+        for k in ks:
+            got, st2 = run(state, 1, slot, pos, q, w, k, impl, q_format="mxfp4")
+            np.testing.assert_array_equal(np.asarray(got), want_all[:, :k], err_msg=f"k={k}")
+            err = np.asarray(st2.errors)
+            assert err[EK.MISSING_BLOCK] == missing == 2 and err.sum() == missing
+    _, st2 = run(st, 1, slot, pos, q, w, 512, impl, q_format="bf16")
+    err = np.asarray(st2.errors)
+    assert err[EK.MISSING_BLOCK] == missing and err.sum() == missing
 
 
 @pytest.mark.parametrize("q_format", Q_FORMATS)
