@@ -984,22 +984,26 @@ __device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
 }
 static_assert(kSelectThreads == 1 << 10, "SortOnePerThread's cases");
 
-// The select's CTAs of one token form a cluster of `ctas` (1: a lone CTA).
+// With kCluster the select's CTAs of one token form a cluster of `ctas`.
 // Each holds a contiguous chunk of the token's keys; rank 0, the leader,
 // finishes the selection with what the others hand it through distributed
-// shared memory.
-__device__ __forceinline__ void SelectSync(int ctas) {
-  if (ctas > 1) cg::this_cluster().sync();   // release / acquire across the cluster
+// shared memory. Without, a lone CTA (ctas = 1) works on its own shared
+// memory, whose atomics the compiler then knows to be shared-memory ones.
+template <bool kCluster>
+__device__ __forceinline__ void SelectSync() {
+  if (kCluster) cg::this_cluster().sync();   // release / acquire across the cluster
   else __syncthreads();
 }
 // Where `p` (this CTA's shared memory) lies in CTA `rank` of the cluster.
-template <typename T>
-__device__ __forceinline__ T* InCta(T* p, int rank, int ctas) {
-  return ctas > 1 ? cg::this_cluster().map_shared_rank(p, rank) : p;
+template <bool kCluster, typename T>
+__device__ __forceinline__ T* InCta(T* p, int rank) {
+  if constexpr (kCluster) return cg::this_cluster().map_shared_rank(p, rank);
+  else return p;
 }
 
 // count_missing: the score kernel did not count the token's missing blocks
 // (the mxfp4 one does, as it reads the block table).
+template <bool kCluster>
 __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a, int kp,
                                                                 bool count_missing, int ctas) {
 
@@ -1022,8 +1026,8 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   if (threadIdx.x < 256) hist[threadIdx.x] = 0;      // RadixSelectOneEach's histogram
   if (threadIdx.x == 0) s_gt = s_eq = s_nb = 0;
   cuda::WaitForPrevious();     // the score kernel's rank keys (launched overlapped)
-  const int rank = ctas > 1 ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
-  const int64_t t = blockIdx.x / ctas;
+  const int rank = kCluster ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
+  const int64_t t = kCluster ? blockIdx.x / ctas : blockIdx.x;
   const int tid = threadIdx.x;
   const int64_t l = *a.layer;
   if (blockIdx.x == 0 && tid == 0 && (l < 0 || l >= a.L)) atomicAdd(&a.errors[kBadLayer], 1);
@@ -1042,8 +1046,8 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   }
   const int64_t n = ti.n;
   const uint32_t* row = a.scratch + t * a.E;
-  const int64_t chunk = (n + ctas - 1) / ctas;
-  const int64_t lo = min(n, rank * chunk), hi = min(n, lo + chunk);
+  const int64_t chunk = kCluster ? (n + ctas - 1) / ctas : n;
+  const int64_t lo = kCluster ? min(n, rank * chunk) : 0, hi = kCluster ? min(n, lo + chunk) : n;
   const TokenKeys keys(KeyRow{row + lo, hi - lo, lo});
   if (count_missing && rank == 0) {
     for (int64_t j = tid; j * kPerBlock < n; j += kSelectThreads) {
@@ -1074,20 +1078,20 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   static_assert(kTopBins == 4 * kSelectThreads, "four bins a thread");
   const int b0 = kTopBins - 4 * (tid + 1);
   {
-    int4 c = make_int4(0, 0, 0, 0);
+    int c[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int k = 0; k < kTopCopies; ++k) {
       const int4 v = *reinterpret_cast<const int4*>(top_hist + k * kTopBins + b0);
-      c.x += v.x, c.y += v.y, c.z += v.z, c.w += v.w;
-    }
-    *reinterpret_cast<int4*>(chunk_top + b0) = c;
-  }
-  SelectSync(ctas);                            // every chunk counted
-  {
-    int c[4] = {0, 0, 0, 0};
-    for (int r = 0; r < ctas; ++r) {
-      const int4 v = *reinterpret_cast<const int4*>(InCta(chunk_top, r, ctas) + b0);
       c[0] += v.x, c[1] += v.y, c[2] += v.z, c[3] += v.w;
+    }
+    if (kCluster) {                            // the cluster's counts: every chunk's
+      *reinterpret_cast<int4*>(chunk_top + b0) = make_int4(c[0], c[1], c[2], c[3]);
+      SelectSync<kCluster>();
+      c[0] = c[1] = c[2] = c[3] = 0;
+      for (int r = 0; r < ctas; ++r) {
+        const int4 v = *reinterpret_cast<const int4*>(InCta<kCluster>(chunk_top, r) + b0);
+        c[0] += v.x, c[1] += v.y, c[2] += v.z, c[3] += v.w;
+      }
     }
     const int sum = c[0] + c[1] + c[2] + c[3];
     int total;
@@ -1120,10 +1124,10 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     // into the leader's sel and bin_buf (its top_hist copies, which nobody
     // reads after the sync above), in any order. One atomic a warp and list
     // measured no faster, here and in a cluster.
-    unsigned long long* lead_sel = InCta(sel, 0, ctas);
-    unsigned long long* lead_bin = InCta(bin_buf, 0, ctas);
-    int* lead_gt = InCta(&s_gt, 0, ctas);
-    int* lead_nb = InCta(&s_nb, 0, ctas);
+    unsigned long long* lead_sel = InCta<kCluster>(sel, 0);
+    unsigned long long* lead_bin = InCta<kCluster>(bin_buf, 0);
+    int* lead_gt = InCta<kCluster>(&s_gt, 0);
+    int* lead_nb = InCta<kCluster>(&s_nb, 0);
     if (all_taken) {                           // every candidate
       keys.ForEach([&](uint32_t key, int64_t i) {
         if (key != 0) lead_sel[atomicAdd(lead_gt, 1)] = Composite(key, i);
@@ -1137,11 +1141,11 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
       });
     }
   }
-  SelectSync(ctas);                            // the leader holds every handed key
+  SelectSync<kCluster>();                      // the leader holds every handed key
   if (rank != 0) return;                       // nothing reads this CTA's memory any more
   // the leader's passes over all the token's keys (the large-bin paths)
   const auto for_all = [&](auto f) {
-    if (ctas == 1) keys.ForEach(f);
+    if (!kCluster) keys.ForEach(f);
     else KeyRow{row, n, 0}.ForEach(f);
   };
   unsigned long long own = 0;                  // small_bin: this thread's key of the bin
@@ -1325,8 +1329,14 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
                            kTopCopies * kTopBins * sizeof(int);
   constexpr size_t kSelectMaxBytes = std::max(2 * kSelectThreads, kMaxK) * sizeof(unsigned long long) +
                                      kTopCopies * kTopBins * sizeof(int);
-  static const cudaError_t select_opt_in = cudaFuncSetAttribute(
-      SelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSelectMaxBytes);
+  // both kernels' shared memory limit, once
+  static const cudaError_t select_opt_in = [] {
+    const cudaError_t e = cudaFuncSetAttribute(
+        SelectKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSelectMaxBytes);
+    return e != cudaSuccess ? e : cudaFuncSetAttribute(SelectKernel<true>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       kSelectMaxBytes);
+  }();
   if (select_opt_in != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk select shared memory: ") +
                                 cudaGetErrorString(select_opt_in));
@@ -1334,10 +1344,13 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
   if (a.T * ctas > 0x7fffffff)
     return ffi::Error::InvalidArgument("indexer_topk: too many tokens for one select grid");
   const unsigned grid = static_cast<unsigned>(a.T > 0 ? a.T * ctas : 1);
+  const bool count_missing = a.q_format != kQueryMxfp4;
   cudaError_t err =
-      cuda::LaunchOverlapped(SelectKernel, dim3(grid), dim3(kSelectThreads), sel_bytes,
-                             static_cast<unsigned>(ctas), stream, a, kp,
-                             a.q_format != kQueryMxfp4, ctas);
+      ctas > 1 ? cuda::LaunchOverlapped(SelectKernel<true>, dim3(grid), dim3(kSelectThreads),
+                                        sel_bytes, static_cast<unsigned>(ctas), stream, a, kp,
+                                        count_missing, ctas)
+               : cuda::LaunchOverlapped(SelectKernel<false>, dim3(grid), dim3(kSelectThreads),
+                                        sel_bytes, 1u, stream, a, kp, count_missing, 1);
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(err));
