@@ -10,13 +10,14 @@ median duration of each kernel and the median time from one score kernel's
 start to the next (the period of one call, which the benchmark reports).
 """
 import collections
+import os
 import statistics
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from device_timeline import kernel_events, kernel_name, median_period_us  # noqa: E402
 from indexer import decode_loop, make_state  # noqa: E402
 
