@@ -242,8 +242,11 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
 //    unsigned, 128 + code (three instructions a word, no sign to handle), so
 //    the chain adds A + 128 * sum(q): it starts from the bits of 2^23 less
 //    128 * sum(q) of the head and ends at the bits of 2^23 + A. As a float
-//    that is 2^23 + A for A >= 0 and below 2^23 otherwise, so
-//    fma(max(bits, 2^23), wq, -2^23 wq) = fl(wq relu(A)) in two instructions.
+//    that is 2^23 + A for A >= 0 and below 2^23 otherwise, so a saturating
+//    fma(bits, 2^-23, -1) is relu(A) 2^-23 exactly (A < 2^21: nothing
+//    clamps above), and times wq 2^23 it rounds as fl(wq relu(A)): two
+//    instructions, both on the FMA pipe (a max would load the ALU pipe,
+//    which the key decode already keeps busy).
 //  - Other tiles, per row half and block b: S from one s8 x s8 MMA
 //    (accumulator from 1.5 * 2^23; one fma gives u = fl(S K) while that
 //    constant is finite: key scale bytes 1 to 231, else subtract then
@@ -256,18 +259,21 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
 // quad holds heads 16c..16c+15 (n-tile j, column 2c + p: head 16c + 2j + p):
 // levels 1-4 of the head tree stay in the lane, levels 5 and 6 take three
 // shuffles for the lane's four rows (lane c ends with row g + 8c).
-constexpr int kMmaThreads = 128;
+constexpr int kMmaThreads = 384;                             // one CTA a multiprocessor
 constexpr int kMmaWarps = kMmaThreads / 32;
 constexpr int kTile = 32;                                    // entries per warp tile
 static_assert(kTile == kPerBlock, "a tile is one logical block");
 constexpr int kMaxTilesPerWarp = 32;
-constexpr int kScoreCtasPerSm = 3;
+constexpr int kScoreCtasPerSm = 1;
 constexpr uint32_t kBlockMagicBits = 0x4B400000u;            // 1.5 * 2^23
 constexpr float kBlockMagic = 12582912.f;
 constexpr uint32_t kFastMagicBits = 0x4B000000u;             // 2^23
 constexpr float kFastMagic = 8388608.f;
 constexpr uint32_t kFmaScaleMax = 231;
 constexpr int kFragWords = kQueryCodeBytes / 16;             // uint4 per code region
+constexpr int kQueryPairs = kIndexHeads * kIndexScales;      // (head, block) pairs of q
+constexpr int kQueryPairsPerThread = (kQueryPairs + kMmaThreads - 1) / kMmaThreads;
+static_assert(kQueryPairs % 32 == 0 && kMmaThreads % 32 == 0, "whole warps of query pairs");
 
 // Per-block form: the uint32 of the code region holding head h, channels
 // 32b + 4r .. + 3, in fragment order: a uint4 per (n-tile j, block pair,
@@ -343,6 +349,16 @@ __device__ __forceinline__ void Mma(uint32_t (&d)[4], const uint32_t (&a)[4], ui
 // rank key treats -0 as +0, so the keys equal the definition's.
 __device__ __forceinline__ float Relu(float d) { return fmaxf(d, 0.f); }
 
+// relu(A) 2^-23 from the bits of the fast chain's end, 2^23 + A as a float
+// for A >= 0 (|A| < 2^21). fma(x, 2^-23, -1) is exact there, and below 2^23
+// it is negative: the saturation (also NaN -> +0) leaves relu. One FMA-pipe
+// instruction.
+__device__ __forceinline__ float FastRelu(uint32_t bits) {
+  float r;
+  asm("fma.rn.sat.f32 %0, %1, 0f34000000, 0fBF800000;" : "=f"(r) : "f"(__uint_as_float(bits)));
+  return r;
+}
+
 // Levels 2..4 of the head tree (in the lane) from level 1: p[j] = heads
 // 16c + 2j, +1 of quad lane c.
 __device__ __forceinline__ float LaneHeadTree(const float (&p)[8]) {
@@ -364,9 +380,9 @@ __device__ __forceinline__ float QuadHeadTree(const float (&l4)[4], int c) {
 
 // Fast form: level-1 head sums p[h][j] of rows g + 8h (heads 16c + 2j, +1),
 // before the factor Kf. keys[h]: block c of row g + 8h (word kk: k-step kk);
-// tab[h]: its magnitude table. wq[4j] = (wq, wq', -2^23 wq, -2^23 wq') and
-// start[4j] = (S, S', S, S'), the accumulator starts, of heads 16c + 2j, +1.
-__device__ __forceinline__ void FastTileSums(const uint4* bfrag, const float4* wq,
+// tab[h]: its magnitude table. wq[4j] = 2^23 (wq, wq') and start[4j] =
+// (S, S', S, S'), the accumulator starts, of heads 16c + 2j, +1.
+__device__ __forceinline__ void FastTileSums(const uint4* bfrag, const float2* wq,
                                              const uint4* start, const uint4 (&keys)[4],
                                              const uint2 (&tab)[4], float (&p)[4][8]) {
   uint32_t acc[2][8][4];   // [row half][n-tile][fragment]
@@ -409,14 +425,11 @@ __device__ __forceinline__ void FastTileSums(const uint4* bfrag, const float4* w
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const float m = kFastMagic;
-    const float4 f = wq[4 * j];
+    const float2 f = wq[4 * j];
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      p[2 * t][j] = fmaf(fmaxf(__uint_as_float(acc[t][j][0]), m), f.x, f.z) +
-                    fmaf(fmaxf(__uint_as_float(acc[t][j][1]), m), f.y, f.w);
-      p[2 * t + 1][j] = fmaf(fmaxf(__uint_as_float(acc[t][j][2]), m), f.x, f.z) +
-                        fmaf(fmaxf(__uint_as_float(acc[t][j][3]), m), f.y, f.w);
+      p[2 * t][j] = FastRelu(acc[t][j][0]) * f.x + FastRelu(acc[t][j][1]) * f.y;
+      p[2 * t + 1][j] = FastRelu(acc[t][j][2]) * f.x + FastRelu(acc[t][j][3]) * f.y;
     }
   }
 }
@@ -571,21 +584,37 @@ struct QueryOperands {
   uint4 block[kFragWords];                   // codes, per-block fragment order
   float2 qf[kIndexScales][kIndexHeads / 2];  // Q[b][h], two heads a float2
   float2 w[kIndexHeads / 2];
-  float4 wq[kIndexHeads / 2];                // wq, wq', -2^23 wq, -2^23 wq'
+  float2 wq[kIndexHeads / 2];                // 2^23 wq, 2^23 wq' (|wq| <= 2^50)
   uint4 start[kIndexHeads / 2];              // S, S', S, S'
 };
+
+// One (head, block) of the token's query as loaded: 32 bf16 and the head's
+// weight.
+struct QueryBlockRaw {
+  uint4 q[kMxfp4Block / 8];
+  float w;
+};
+__device__ __forceinline__ QueryBlockRaw LoadQueryBlock(const IndexerTopkArgs& a, int64_t t, int h,
+                                                        int b) {
+  QueryBlockRaw r;
+  const uint4* src =
+      reinterpret_cast<const uint4*>(a.q + (t * kIndexHeads + h) * kIndexDim + b * kMxfp4Block);
+#pragma unroll
+  for (int i = 0; i < kMxfp4Block / 8; ++i) r.q[i] = src[i];
+  r.w = a.weights[t * kIndexHeads + h];
+  return r;
+}
 
 // One (head h, block b) of the token's query into `qo`: the block's scale
 // byte, its 32 codes and (with the head's other three blocks, in lanes
 // 4(h mod 8) + b of this warp) the head's fast-form guards and code sum.
 // Returns whether the head is within the guards.
-__device__ bool QuantizeQueryPair(const uint16_t* qhb, float w, int h, int b,
-                                  QueryOperands& qo) {
+__device__ bool QuantizeQueryPair(const QueryBlockRaw& raw, int h, int b, QueryOperands& qo) {
+  const float w = raw.w;
   float x[kMxfp4Block];
 #pragma unroll
   for (int i = 0; i < kMxfp4Block / 8; ++i) {
-    const uint4 raw = reinterpret_cast<const uint4*>(qhb)[i];
-    const uint32_t v[4] = {raw.x, raw.y, raw.z, raw.w};
+    const uint32_t v[4] = {raw.q[i].x, raw.q[i].y, raw.q[i].z, raw.q[i].w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       x[8 * i + 2 * e] = num::BitsFloat(v[e] << 16);
@@ -622,9 +651,7 @@ __device__ bool QuantizeQueryPair(const uint16_t* qhb, float w, int h, int b,
   if (b == 0) {
     const int pair = h / 2, slot = 4 * (pair % 8) + pair / 8, p = h % 2;
     (&qo.w[0].x)[h] = w;
-    float* f = &qo.wq[slot].x + p;
-    f[0] = wq;
-    f[2] = -kFastMagic * wq;
+    (&qo.wq[slot].x)[p] = kFastMagic * wq;   // exact: wq within the guards
     // |128 sum| < 2^21: the start's bits are those of a float in [2^22, 2^24)
     uint32_t* st = &qo.start[slot].x + p;
     st[0] = st[2] = kFastMagicBits - 128u * static_cast<uint32_t>(sum);
@@ -633,8 +660,12 @@ __device__ bool QuantizeQueryPair(const uint16_t* qhb, float w, int h, int b,
 }
 
 // One CTA: one token, kMmaWarps * tiles_per_warp tiles of consecutive
-// entries; warp w takes tiles w, w + 4, ..., keeping kStages - 1 of them in
-// flight. Three resident CTAs a multiprocessor.
+// entries; warp w takes tiles w, w + 12, ..., keeping kStages - 1 of them in
+// flight. One CTA of 12 warps a multiprocessor (168 registers a thread), so
+// each multiprocessor rounds its token's q once, not once per 4-warp CTA:
+// three such CTAs (the earlier shape) spent about a quarter of their warps'
+// time in that prologue, waiting on q behind their key tiles' loads and
+// repeating its arithmetic (benchmarks/RESULTS-indexer.md, run 11).
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4(IndexerTopkArgs a,
                                                                                  int tiles_per_warp) {
   extern __shared__ __align__(16) uint32_t ring_dyn[];       // kRingBytes: the key rings
@@ -646,6 +677,14 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   const int64_t span = static_cast<int64_t>(kMmaWarps) * tiles_per_warp * kTile;
   const int64_t first = static_cast<int64_t>(blockIdx.y) * span;
   if (!ti.ok || first >= ti.n) return;
+  // the query first: its loads go out before the key tiles', which would
+  // otherwise queue ahead of them (every CTA starts its rings at once)
+  QueryBlockRaw qraw[kQueryPairsPerThread];
+#pragma unroll
+  for (int i = 0; i < kQueryPairsPerThread; ++i) {
+    const int pair = threadIdx.x + i * kMmaThreads;
+    if (pair < kQueryPairs) qraw[i] = LoadQueryBlock(a, t, pair / kIndexScales, pair % kIndexScales);
+  }
   if (threadIdx.x < kMmaWarps * tiles_per_warp) {
     // each logical block is read here by one CTA: it counts a missing one
     const int64_t j = first / kTile + threadIdx.x;
@@ -674,13 +713,13 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   };
 #pragma unroll 1
   for (int it = 0; it < kStages - 1; ++it) issue(it);
-  // the query, while the first tiles arrive: pairs threadIdx.x and + 128
+  // the query, while the first tiles arrive (whole warps of pairs or none)
   bool head_fast = true;
-#pragma unroll 1
-  for (int i = 0; i < 2; ++i) {
-    const int pair = threadIdx.x + i * kMmaThreads, h = pair / kIndexScales, b = pair % kIndexScales;
-    head_fast &= QuantizeQueryPair(a.q + (t * kIndexHeads + h) * kIndexDim + b * kMxfp4Block,
-                                   a.weights[t * kIndexHeads + h], h, b, qo);
+#pragma unroll
+  for (int i = 0; i < kQueryPairsPerThread; ++i) {
+    const int pair = threadIdx.x + i * kMmaThreads;
+    if (pair < kQueryPairs)
+      head_fast &= QuantizeQueryPair(qraw[i], pair / kIndexScales, pair % kIndexScales, qo);
   }
   const bool token_fast = __syncthreads_and(head_fast);
   for (int it = 0; it < tiles; ++it) {                         // uniform per warp
@@ -725,7 +764,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   CpAsyncWait<0>();
 }
 
-// Tiles per warp: CTAs in whole waves of resident ones (three a
+// Tiles per warp: CTAs in whole waves of resident ones (one a
 // multiprocessor), at most kMaxTilesPerWarp. DSV4_INDEXER_TILES=n (read
 // once) fixes it, for benchmarks.
 int TilesPerWarp(int64_t T, int64_t E) {
