@@ -662,10 +662,11 @@ __device__ bool QuantizeQueryPair(const QueryBlockRaw& raw, int h, int b, QueryO
 // One CTA: one token, kMmaWarps * tiles_per_warp tiles of consecutive
 // entries; warp w takes tiles w, w + 12, ..., keeping kStages - 1 of them in
 // flight. One CTA of 12 warps a multiprocessor (168 registers a thread), so
-// each multiprocessor rounds its token's q once, not once per 4-warp CTA:
-// three such CTAs (the earlier shape) spent about a quarter of their warps'
-// time in that prologue, waiting on q behind their key tiles' loads and
-// repeating its arithmetic (benchmarks/RESULTS-indexer.md, run 11).
+// each multiprocessor rounds its token's q once, not once per 4-warp CTA
+// (with three such CTAs, the earlier shape, ncu put a quarter of the warps'
+// samples in that prologue, waiting on q behind the key tiles' loads and
+// repeating its arithmetic; the call is 4 % faster, benchmarks/
+// RESULTS-indexer.md run 11).
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4(IndexerTopkArgs a,
                                                                                  int tiles_per_warp) {
   extern __shared__ __align__(16) uint32_t ring_dyn[];       // kRingBytes: the key rings
