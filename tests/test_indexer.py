@@ -495,8 +495,11 @@ def test_mxfp4_fast_form_guards(impl):
     bytes lie within 3 of each other, at and across the guard bounds 88 and
     168, tiles with one entry spread by 4; tokens with a query head spread
     by more than 3, with weights far outside [2^-50, 2^50] once scaled, with
-    zero weights. Every score bit equals the replay of the definition, and
-    the indices the replayed ranking."""
+    zero weights; tokens whose head terms span 2^-45..2^45 with mixed signs,
+    and whose heads cancel in pairs (partial sums exactly 0 or far below the
+    terms: the CUDA fast form's scaled, signed tree must round them as the
+    definition does). Every score bit equals the replay of the definition,
+    and the indices the replayed ranking."""
     rng = np.random.default_rng(77)
     st = make_state(rng, R=2, max_context=1024, blocks={0: list(range(8)), 1: list(range(8, 16))})
     shape = np.asarray(st.csa.index.scale).shape            # [Lc, N, 32, 4]
@@ -514,11 +517,15 @@ def test_mxfp4_fast_form_guards(impl):
     kf = key_fast(scale[1].astype(np.int64))
     assert kf[[0, 1, 2, 6, 7]].all() and not kf[5].all() and 0 < kf[[3, 4, 9]].mean() < 1
 
-    T = 7
-    slot = np.array([0, 1, 0, 1, 0, 1, 0], np.int32)
-    pos = np.array([1023, 1023, 900, 1023, 1023, 1023, 555], np.int32)
+    T = 9
+    slot = np.array([0, 1, 0, 1, 0, 1, 0, 1, 1], np.int32)
+    pos = np.array([1023, 1023, 900, 1023, 1023, 1023, 555, 1023, 1000], np.int32)
     q, w = queries(rng, T)
     q = np.asarray(q, np.float32)
+    w[7] = np.sign(w[7]) * 2.0 ** rng.uniform(-45, 45, 64)     # wide, mixed signs: fast
+    q[8, 1::2] = q[8, 0::2]                                  # head pairs with equal A ...
+    w[8, 0::2] = np.abs(w[8, 0::2]) * 2.0 ** -44
+    w[8, 1::2] = -w[8, 0::2] * (1 + rng.integers(0, 3, 32) * 2.0 ** -23)   # ... and w: 0 or tiny
     q[1, 9, 64:96] *= 32.0                                   # head 9: spread 5, token slow
     w[2, 30] = 2.0 ** 60                                     # |wq| above 2^50: token slow
     w[3, 40] = 1.3 * 2.0 ** -60                              # below 2^-50: token slow
