@@ -242,11 +242,10 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
 //    unsigned, 128 + code (three instructions a word, no sign to handle), so
 //    the chain adds A + 128 * sum(q): it starts from the bits of 2^23 less
 //    128 * sum(q) of the head and ends at the bits of 2^23 + A. As a float
-//    that is 2^23 + A for A >= 0 and below 2^23 otherwise, so a saturating
-//    fma(bits, 2^-23, -1) is relu(A) 2^-23 exactly (A < 2^21: nothing
-//    clamps above), and times wq 2^23 it rounds as fl(wq relu(A)): two
-//    instructions, both on the FMA pipe (a max would load the ALU pipe,
-//    which the key decode already keeps busy).
+//    that is 2^23 + A for A >= 0 and below 2^23 otherwise, so one
+//    saturating fma per head gives its term and one fma per node of the
+//    head tree adds, scaled by 2^-72 with the weights' signs kept aside
+//    (see TreeSigns).
 //  - Other tiles, per row half and block b: S from one s8 x s8 MMA
 //    (accumulator from 1.5 * 2^23; one fma gives u = fl(S K) while that
 //    constant is finite: key scale bytes 1 to 231, else subtract then
@@ -258,12 +257,15 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
 // lane c holds its channels 8c..8c+7. Heads are placed so that lane c of a
 // quad holds heads 16c..16c+15 (n-tile j, column 2c + p: head 16c + 2j + p):
 // levels 1-4 of the head tree stay in the lane, levels 5 and 6 take three
-// shuffles for the lane's four rows (lane c ends with row g + 8c).
-constexpr int kMmaThreads = 384;                             // one CTA a multiprocessor
+// shuffles for the lane's four rows (lane c ends with row g + 8c). A warp
+// computes a fast tile's heads in two halves of 32 (FastTileHalf), so that it
+// fits 128 registers: 16 warps a multiprocessor.
+constexpr int kMmaThreads = 512;                             // one CTA a multiprocessor
 constexpr int kMmaWarps = kMmaThreads / 32;
 constexpr int kTile = 32;                                    // entries per warp tile
 static_assert(kTile == kPerBlock, "a tile is one logical block");
 constexpr int kMaxTilesPerWarp = 32;
+static_assert(kMmaWarps * kMaxTilesPerWarp <= kMmaThreads, "a thread reads each tile's block");
 constexpr int kScoreCtasPerSm = 1;
 constexpr uint32_t kBlockMagicBits = 0x4B400000u;            // 1.5 * 2^23
 constexpr float kBlockMagic = 12582912.f;
@@ -349,43 +351,113 @@ __device__ __forceinline__ void Mma(uint32_t (&d)[4], const uint32_t (&a)[4], ui
 // rank key treats -0 as +0, so the keys equal the definition's.
 __device__ __forceinline__ float Relu(float d) { return fmaxf(d, 0.f); }
 
-// relu(A) 2^-23 from the bits of the fast chain's end, 2^23 + A as a float
-// for A >= 0 (|A| < 2^21). fma(x, 2^-23, -1) is exact there, and below 2^23
-// it is negative: the saturation (also NaN -> +0) leaves relu. One FMA-pipe
-// instruction.
-__device__ __forceinline__ float FastRelu(uint32_t bits) {
+// The fast form's head tree, scaled and signed. With s = |wq| 2^-72 (in
+// [2^-122, 2^-22] by the query guards) a head's term is one saturating fma of
+// the chain's end x (2^23 + A as a float for A >= 0, below 2^23 otherwise):
+// sat(x s - 2^23 s) = fl(A s) = |fl(wq relu(A))| 2^-72 (exact product before
+// the one rounding; normal, as A >= 1 and s >= 2^-122; saturation gives 0
+// for A <= 0 or NaN, and A s < 1/2 never clamps above). The weight's sign is
+// kept aside: every tree value v stands for tau v 2^72 of the definition's
+// tree with tau = +-1, and a node of children (a, tau_a), (b, tau_b) is
+// fma(a, tau_a tau_b, b) = tau_b fl(tau_a a + tau_b b), sign tau_b. Scaling
+// by 2^-72 commutes with each rounding: a sum that lands below 2^-126 is
+// exact in both scales (both addends lie on a grid of 2^-145 here, of 2^-73
+// there), every other value stays normal. So a head costs one instruction,
+// a node one, and the root times tau 2^72 Kf is the definition's score
+// rounded once (Kf a power of two, dsv4/indexer.h). The per-block form runs
+// the same tree with every tau = +1: fma(a, 1, b) = fl(a + b).
+constexpr uint32_t kLeafScaleBits = 0x1B800000u;            // 2^-72
+constexpr uint32_t kRootScaleBits = 0x63800000u;            // 2^72
+
+// The multipliers of the nodes one quad lane c computes (heads 16c..16c+15,
+// then the quad's levels 5 and 6) and its root factor tau 2^72.
+struct TreeSigns {
+  float l1[8];   // pair j: heads 16c + 2j, +1
+  float l2[4], l3[2], l4;
+  float l5, l6;  // with lanes c ^ 1, c ^ 2
+  float root;
+  float pad[2];
+};
+static_assert(sizeof(TreeSigns) == 80, "five 16-byte rows");
+
+// A quad lane's TreeSigns from the weights' sign bits (bit h: head h < 0).
+// A node takes the sign of its right child, so of its last head.
+__device__ TreeSigns MakeTreeSigns(uint64_t neg, int c) {
+  const auto sign = [&](int h) { return static_cast<uint32_t>(neg >> h) & 1u; };
+  const auto mul = [&](int ha, int hb) { return __uint_as_float(0x3f800000u | ((sign(ha) ^ sign(hb)) << 31)); };
+  const int h0 = 16 * c;
+  TreeSigns s;
+  for (int j = 0; j < 8; ++j) s.l1[j] = mul(h0 + 2 * j, h0 + 2 * j + 1);
+  for (int i = 0; i < 4; ++i) s.l2[i] = mul(h0 + 4 * i + 1, h0 + 4 * i + 3);
+  for (int i = 0; i < 2; ++i) s.l3[i] = mul(h0 + 8 * i + 3, h0 + 8 * i + 7);
+  s.l4 = mul(h0 + 7, h0 + 15);
+  s.l5 = mul(h0 + 15, 16 * (c ^ 1) + 15);
+  s.l6 = mul(h0 + 15, 16 * (c ^ 2) + 15);
+  s.root = __uint_as_float(kRootScaleBits | (sign(h0 + 15) << 31));
+  s.pad[0] = s.pad[1] = 0.f;
+  return s;
+}
+
+// Every multiplier 1: the plain tree of the per-block form.
+__device__ __forceinline__ TreeSigns PlainTreeSigns() {
+  TreeSigns s;
+  for (int j = 0; j < 8; ++j) s.l1[j] = 1.f;
+  for (int i = 0; i < 4; ++i) s.l2[i] = 1.f;
+  s.l3[0] = s.l3[1] = s.l4 = s.l5 = s.l6 = s.root = 1.f;
+  s.pad[0] = s.pad[1] = 0.f;
+  return s;
+}
+
+// A fast-form head term: sat(x s + m), m = -2^23 s (see above).
+__device__ __forceinline__ float FastLeaf(uint32_t bits, float s, float m) {
   float r;
-  asm("fma.rn.sat.f32 %0, %1, 0f34000000, 0fBF800000;" : "=f"(r) : "f"(__uint_as_float(bits)));
+  asm("fma.rn.sat.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(__uint_as_float(bits)), "f"(s), "f"(m));
   return r;
+}
+
+// Levels 2 and 3 of the head tree (in the lane) over one half of the lane's
+// heads: p[i] = level 1 of heads 16c + 8hf + 2i, +1.
+__device__ __forceinline__ float HalfHeadTree(const float (&p)[4], const TreeSigns& s, int hf) {
+  return fmaf(fmaf(p[0], s.l2[2 * hf], p[1]), s.l3[hf], fmaf(p[2], s.l2[2 * hf + 1], p[3]));
 }
 
 // Levels 2..4 of the head tree (in the lane) from level 1: p[j] = heads
 // 16c + 2j, +1 of quad lane c.
-__device__ __forceinline__ float LaneHeadTree(const float (&p)[8]) {
-  return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+__device__ __forceinline__ float LaneHeadTree(const float (&p)[8], const TreeSigns& s) {
+  const float lo[4] = {p[0], p[1], p[2], p[3]}, hi[4] = {p[4], p[5], p[6], p[7]};
+  return fmaf(HalfHeadTree(lo, s, 0), s.l4, HalfHeadTree(hi, s, 1));
 }
 
 // Levels 5 and 6 for the lane's rows g + 8h (h = 0..3); returns the sum of
 // row g + 8c. Level 5 adds lanes c and c ^ 1 (lane c keeps rows h = c mod 2
-// and c mod 2 + 2), level 6 lanes c and c ^ 2. a + b == b + a in IEEE
-// arithmetic, so which lane adds does not matter.
-__device__ __forceinline__ float QuadHeadTree(const float (&l4)[4], int c) {
+// and c mod 2 + 2), level 6 lanes c and c ^ 2. Each lane adds the value it
+// receives into its own: the sum keeps the lane's sign (m5, m6: the product
+// of both lanes' signs), and which lane adds does not matter in IEEE
+// arithmetic.
+__device__ __forceinline__ float QuadHeadTree(const float (&l4)[4], int c, float m5, float m6) {
   const bool odd = c & 1, high = c & 2;
   const float keep0 = odd ? l4[1] : l4[0], send0 = odd ? l4[0] : l4[1];
   const float keep1 = odd ? l4[3] : l4[2], send1 = odd ? l4[2] : l4[3];
-  const float l5a = keep0 + __shfl_xor_sync(cuda::kFull, send0, 1);   // row h = c mod 2
-  const float l5b = keep1 + __shfl_xor_sync(cuda::kFull, send1, 1);   // row h = c mod 2 + 2
-  return (high ? l5b : l5a) + __shfl_xor_sync(cuda::kFull, high ? l5a : l5b, 2);
+  const float l5a = fmaf(__shfl_xor_sync(cuda::kFull, send0, 1), m5, keep0);   // row h = c mod 2
+  const float l5b = fmaf(__shfl_xor_sync(cuda::kFull, send1, 1), m5, keep1);   // row c mod 2 + 2
+  return fmaf(__shfl_xor_sync(cuda::kFull, high ? l5a : l5b, 2), m6, high ? l5b : l5a);
 }
 
-// Fast form: level-1 head sums p[h][j] of rows g + 8h (heads 16c + 2j, +1),
-// before the factor Kf. keys[h]: block c of row g + 8h (word kk: k-step kk);
-// tab[h]: its magnitude table. wq[4j] = 2^23 (wq, wq') and start[4j] =
-// (S, S', S, S'), the accumulator starts, of heads 16c + 2j, +1.
-__device__ __forceinline__ void FastTileSums(const uint4* bfrag, const float2* wq,
-                                             const uint4* start, const uint4 (&keys)[4],
-                                             const uint2 (&tab)[4], float (&p)[4][8]) {
-  uint32_t acc[2][8][4];   // [row half][n-tile][fragment]
+// Fast form, one half hf of the lane's heads (n-tiles 4hf..4hf+3: heads
+// 16c + 8hf .. + 7): levels 1-3 of the head tree for rows g + 8r, scaled and
+// signed (see TreeSigns). keys[r]: block c of row g + 8r (word kk: k-step
+// kk); tab[r]: its magnitude table. leaf[4j] = (s, s', -2^23 s, -2^23 s')
+// and start[4j] = (S, S', S, S'), the accumulator starts, of heads 16c + 2j,
+// +1. Each half decodes the keys again: that costs less than the registers
+// of all 64 heads' accumulators at once (a build without the decode was
+// only 2 % faster, benchmarks/RESULTS-indexer.md run 12).
+template <int kHalf>
+__device__ __forceinline__ void FastTileHalf(const uint4* bfrag, const float4* leaf,
+                                             const TreeSigns& signs, const uint4* start,
+                                             const uint4 (&keys)[4], const uint2 (&tab)[4],
+                                             float (&l3)[4]) {
+  constexpr int j0 = 4 * kHalf;
+  uint32_t acc[2][4][4];   // [row half][n-tile - j0][fragment]
 #pragma unroll
   for (int bp = 0; bp < 2; ++bp) {
     uint32_t a[2][2][4];   // [row half][k-step of the pair][fragment]
@@ -401,16 +473,16 @@ __device__ __forceinline__ void FastTileSums(const uint4* bfrag, const float2* w
         E2m1x8ToBiased(w1, tab[2 * t + 1].x, tab[2 * t + 1].y, &a[t][e][1], &a[t][e][3]);
       }
     }
-    // sixteen independent accumulators between an MMA and the next on the same one
-    uint4 bq[8];
+    // eight independent accumulators between an MMA and the next on the same one
+    uint4 bq[4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) bq[j] = bfrag[(j * 2 + bp) * 32];
+    for (int j = 0; j < 4; ++j) bq[j] = bfrag[((j0 + j) * 2 + bp) * 32];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
         if (bp == 0) {
-          const uint4 s = start[4 * j];
+          const uint4 s = start[4 * (j0 + j)];
           const uint32_t c0[4] = {s.x, s.y, s.z, s.w};
           Mma<true>(acc[t][j], a[t][0], bq[j].x, bq[j].y, c0);
         } else {
@@ -419,19 +491,23 @@ __device__ __forceinline__ void FastTileSums(const uint4* bfrag, const float2* w
       }
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int t = 0; t < 2; ++t) Mma<true>(acc[t][j], a[t][1], bq[j].z, bq[j].w, acc[t][j]);
   }
+  float p[4][4];   // [row g + 8r][pair]
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float2 f = wq[4 * j];
+  for (int j = 0; j < 4; ++j) {
+    const float4 f = leaf[4 * (j0 + j)];
+    const float m = signs.l1[j0 + j];
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      p[2 * t][j] = FastRelu(acc[t][j][0]) * f.x + FastRelu(acc[t][j][1]) * f.y;
-      p[2 * t + 1][j] = FastRelu(acc[t][j][2]) * f.x + FastRelu(acc[t][j][3]) * f.y;
+      p[2 * t][j] = fmaf(FastLeaf(acc[t][j][0], f.x, f.z), m, FastLeaf(acc[t][j][1], f.y, f.w));
+      p[2 * t + 1][j] = fmaf(FastLeaf(acc[t][j][2], f.x, f.z), m, FastLeaf(acc[t][j][3], f.y, f.w));
     }
   }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) l3[r] = HalfHeadTree(p[r], signs, kHalf);
 }
 
 // Key bytes of one row half for this lane in the per-block form (rows g and
@@ -509,7 +585,11 @@ __device__ __forceinline__ bool FmaScales(uint32_t s) {
 // A tile in shared memory: the block's 32 packed keys (64 bytes each, rows
 // g and g + 1 of a quarter warp's 16-byte reads fill 32 distinct banks),
 // then its 32 scale words.
-constexpr int kStages = 4;                                   // tiles in flight per warp
+// Two stages: one tile ahead of the one in use. Deeper rings measured
+// slower on an H100 (benchmarks/RESULTS-indexer.md run 12, score kernel at
+// B = 64, 64k: with 12 warps 48.2 us for 2 stages, 49.0 for 3, 49.4 for 4,
+// 52.7 for 7; with 16 warps 47.4 for 2, 50.9 for 4).
+constexpr int kStages = 2;
 constexpr int kRowWords = kIndexPacked / 4;                  // 16
 constexpr int kScaleWord = kTile * kRowWords;                // 512
 constexpr int kTileWords = kScaleWord + kTile;               // 544
@@ -552,6 +632,7 @@ __device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfra
                                            const float2 (*qf_s)[kIndexHeads / 2],
                                            const float2* w_s, int g, int c) {
   float l4[4];
+  const TreeSigns plain = PlainTreeSigns();
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     TileKeys cur;
@@ -568,24 +649,26 @@ __device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfra
       BlockTileSums<true>(bfrag, qf_s, w_s, cur, c, pg, ph);
     else
       BlockTileSums<false>(bfrag, qf_s, w_s, cur, c, pg, ph);
-    l4[2 * half] = LaneHeadTree(pg);
-    l4[2 * half + 1] = LaneHeadTree(ph);
+    l4[2 * half] = LaneHeadTree(pg, plain);
+    l4[2 * half + 1] = LaneHeadTree(ph, plain);
   }
   return make_float4(l4[0], l4[1], l4[2], l4[3]);
 }
 
 // The token's query as the MMAs read it, in shared memory: the MXFP4
 // rounding of q (dsv4/indexer.h) in both fragment orders, the per-block
-// factors and weights, and the fast form's wq and accumulator starts. The
-// fast-form constants of heads 16c + 2j, +1 sit at index 4j + c, so the four
-// quad lanes' 16-byte reads of one j fall in distinct banks.
+// factors and weights, and the fast form's head terms, accumulator starts
+// and tree signs. The fast-form constants of heads 16c + 2j, +1 sit at index
+// 4j + c, so the four quad lanes' 16-byte reads of one j fall in distinct
+// banks.
 struct QueryOperands {
   uint4 fast[kFragWords];                    // shifted codes, fast fragment order
   uint4 block[kFragWords];                   // codes, per-block fragment order
   float2 qf[kIndexScales][kIndexHeads / 2];  // Q[b][h], two heads a float2
   float2 w[kIndexHeads / 2];
-  float2 wq[kIndexHeads / 2];                // 2^23 wq, 2^23 wq' (|wq| <= 2^50)
+  float4 leaf[kIndexHeads / 2];              // s, s', -2^23 s, -2^23 s' (s = |wq| 2^-72)
   uint4 start[kIndexHeads / 2];              // S, S', S, S'
+  TreeSigns tree[4];                         // of quad lane c
 };
 
 // One (head, block) of the token's query as loaded: 32 bf16 and the head's
@@ -651,7 +734,9 @@ __device__ bool QuantizeQueryPair(const QueryBlockRaw& raw, int h, int b, QueryO
   if (b == 0) {
     const int pair = h / 2, slot = 4 * (pair % 8) + pair / 8, p = h % 2;
     (&qo.w[0].x)[h] = w;
-    (&qo.wq[slot].x)[p] = kFastMagic * wq;   // exact: wq within the guards
+    const float sw = num::AbsF(wq) * __uint_as_float(kLeafScaleBits);   // exact in the guards
+    (&qo.leaf[slot].x)[p] = sw;
+    (&qo.leaf[slot].x)[2 + p] = -kFastMagic * sw;
     // |128 sum| < 2^21: the start's bits are those of a float in [2^22, 2^24)
     uint32_t* st = &qo.start[slot].x + p;
     st[0] = st[2] = kFastMagicBits - 128u * static_cast<uint32_t>(sum);
@@ -660,13 +745,12 @@ __device__ bool QuantizeQueryPair(const QueryBlockRaw& raw, int h, int b, QueryO
 }
 
 // One CTA: one token, kMmaWarps * tiles_per_warp tiles of consecutive
-// entries; warp w takes tiles w, w + 12, ..., keeping kStages - 1 of them in
-// flight. One CTA of 12 warps a multiprocessor (168 registers a thread), so
-// each multiprocessor rounds its token's q once, not once per 4-warp CTA
-// (with three such CTAs, the earlier shape, ncu put a quarter of the warps'
+// entries; warp w takes tiles w, w + 16, ..., keeping kStages - 1 of them in
+// flight. One CTA of 16 warps a multiprocessor (128 registers a thread), so
+// each multiprocessor rounds its token's q once, not once per small CTA
+// (with three 4-warp CTAs, an earlier shape, ncu put a quarter of the warps'
 // samples in that prologue, waiting on q behind the key tiles' loads and
-// repeating its arithmetic; the call is 4 % faster, benchmarks/
-// RESULTS-indexer.md run 11).
+// repeating its arithmetic; benchmarks/RESULTS-indexer.md runs 11 and 12).
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4(IndexerTopkArgs a,
                                                                                  int tiles_per_warp) {
   extern __shared__ __align__(16) uint32_t ring_dyn[];       // kRingBytes: the key rings
@@ -685,6 +769,13 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   for (int i = 0; i < kQueryPairsPerThread; ++i) {
     const int pair = threadIdx.x + i * kMmaThreads;
     if (pair < kQueryPairs) qraw[i] = LoadQueryBlock(a, t, pair / kIndexScales, pair % kIndexScales);
+  }
+  // warp 0: the weights' signs, for the fast form's tree (TreeSigns)
+  static_assert(kIndexHeads == 64, "two weights a lane of warp 0");
+  uint32_t neg_lo = 0, neg_hi = 0;
+  if (threadIdx.x < 32) {
+    neg_lo = __float_as_uint(a.weights[t * kIndexHeads + threadIdx.x]) >> 31;
+    neg_hi = __float_as_uint(a.weights[t * kIndexHeads + 32 + threadIdx.x]) >> 31;
   }
   if (threadIdx.x < kMmaWarps * tiles_per_warp) {
     // each logical block is read here by one CTA: it counts a missing one
@@ -722,6 +813,11 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
     if (pair < kQueryPairs)
       head_fast &= QuantizeQueryPair(qraw[i], pair / kIndexScales, pair % kIndexScales, qo);
   }
+  if (threadIdx.x < 32) {
+    const uint64_t neg = __ballot_sync(cuda::kFull, neg_lo) |
+                         static_cast<uint64_t>(__ballot_sync(cuda::kFull, neg_hi)) << 32;
+    if (threadIdx.x < 4) qo.tree[threadIdx.x] = MakeTreeSigns(neg, threadIdx.x);
+  }
   const bool token_fast = __syncthreads_and(head_fast);
   for (int it = 0; it < tiles; ++it) {                         // uniform per warp
     const int32_t block = blocks_s[warp + kMmaWarps * it];    // read early: hides its latency
@@ -739,6 +835,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
       bool fast = IndexKeyFast(st[kScaleWord + own_row], &shifts, &kf);
       if (!own_valid) fast = true, shifts = 0;                 // rows past n: not stored
       float l4[4];   // levels 1-4 of rows g + 8h
+      float m5 = 1.f, m6 = 1.f;
       if (token_fast && __all_sync(cuda::kFull, fast)) {
         uint4 kv[4];
         uint2 tab[4];
@@ -748,16 +845,20 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
           const uint32_t sk = Prmt(__shfl_sync(cuda::kFull, shifts, 4 * g + h), 0u, byte_c);
           tab[h] = make_uint2(0x03020100u << sk, 0x0C080604u << sk);
         }
-        float p[4][8];
-        FastTileSums(qo.fast + lane, qo.wq + c, qo.start + c, kv, tab, p);
+        const TreeSigns& signs = qo.tree[c];
+        float lo[4], hi[4];
+        FastTileHalf<0>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, lo);
+        FastTileHalf<1>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, hi);
 #pragma unroll
-        for (int h = 0; h < 4; ++h) l4[h] = LaneHeadTree(p[h]);
+        for (int h = 0; h < 4; ++h) l4[h] = fmaf(lo[h], signs.l4, hi[h]);
+        kf *= signs.root;                                      // both powers of two
+        m5 = signs.l5, m6 = signs.l6;
       } else {
         kf = 1.f;
         const float4 v = BlockTileL4(st, qo.block + lane, qo.qf, qo.w, g, c);
         l4[0] = v.x, l4[1] = v.y, l4[2] = v.z, l4[3] = v.w;
       }
-      const float score = kf * QuadHeadTree(l4, c);
+      const float score = kf * QuadHeadTree(l4, c, m5, m6);
       if (own_valid) keys[e0 + own_row] = IndexRankKey(score);
     }
     __syncwarp();                                              // the stage is free for its next tile
