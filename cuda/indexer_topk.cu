@@ -421,11 +421,16 @@ __device__ __forceinline__ float HalfHeadTree(const float (&p)[4], const TreeSig
   return fmaf(fmaf(p[0], s.l2[2 * hf], p[1]), s.l3[hf], fmaf(p[2], s.l2[2 * hf + 1], p[3]));
 }
 
+// Level 4 of the head tree: the lane's two halves of heads joined.
+__device__ __forceinline__ float JoinHeadHalves(float lo, float hi, const TreeSigns& s) {
+  return fmaf(lo, s.l4, hi);
+}
+
 // Levels 2..4 of the head tree (in the lane) from level 1: p[j] = heads
 // 16c + 2j, +1 of quad lane c.
 __device__ __forceinline__ float LaneHeadTree(const float (&p)[8], const TreeSigns& s) {
   const float lo[4] = {p[0], p[1], p[2], p[3]}, hi[4] = {p[4], p[5], p[6], p[7]};
-  return fmaf(HalfHeadTree(lo, s, 0), s.l4, HalfHeadTree(hi, s, 1));
+  return JoinHeadHalves(HalfHeadTree(lo, s, 0), HalfHeadTree(hi, s, 1), s);
 }
 
 // Levels 5 and 6 for the lane's rows g + 8h (h = 0..3); returns the sum of
@@ -850,7 +855,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
         FastTileHalf<0>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, lo);
         FastTileHalf<1>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, hi);
 #pragma unroll
-        for (int h = 0; h < 4; ++h) l4[h] = fmaf(lo[h], signs.l4, hi[h]);
+        for (int h = 0; h < 4; ++h) l4[h] = JoinHeadHalves(lo[h], hi[h], signs);
         kf *= signs.root;                                      // both powers of two
         m5 = signs.l5, m6 = signs.l6;
       } else {
