@@ -351,7 +351,7 @@ __device__ __forceinline__ void Mma(uint32_t (&d)[4], const uint32_t (&a)[4], ui
 // rank key treats -0 as +0, so the keys equal the definition's.
 __device__ __forceinline__ float Relu(float d) { return fmaxf(d, 0.f); }
 
-// The fast form's head tree, scaled and signed. With s = |wq| 2^-72 (in
+// The fast form's head tree, scaled and signed. With s = |wq| 2^-72 (0 or in
 // [2^-122, 2^-22] by the query guards) a head's term is one saturating fma of
 // the chain's end x (2^23 + A as a float for A >= 0, below 2^23 otherwise):
 // sat(x s - 2^23 s) = fl(A s) = |fl(wq relu(A))| 2^-72 (exact product before
@@ -775,7 +775,9 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
     const int pair = threadIdx.x + i * kMmaThreads;
     if (pair < kQueryPairs) qraw[i] = LoadQueryBlock(a, t, pair / kIndexScales, pair % kIndexScales);
   }
-  // warp 0: the weights' signs, for the fast form's tree (TreeSigns)
+  // warp 0: the weights' signs, for the fast form's tree (TreeSigns); read
+  // again here (256 bytes), as gathering them from the pair threads would
+  // need one more CTA barrier
   static_assert(kIndexHeads == 64, "two weights a lane of warp 0");
   uint32_t neg_lo = 0, neg_hi = 0;
   if (threadIdx.x < 32) {
