@@ -632,7 +632,10 @@ struct TileStream {
 
 // A tile in the per-block form: levels 1-4 of the head tree of the lane's
 // rows g + 8h. Out of line: rare, and its registers stay out of the fast
-// path's.
+// path's. One copy per score kernel (kCaller: its kPairs), so that the
+// compiler still folds the caller's shared-memory addresses into it: a copy
+// shared by two callers takes them as parameters, and the caller spills.
+template <bool kCaller>
 __device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfrag,
                                            const float2 (*qf_s)[kIndexHeads / 2],
                                            const float2* w_s, int g, int c) {
@@ -749,22 +752,31 @@ __device__ bool QuantizeQueryPair(const QueryBlockRaw& raw, int h, int b, QueryO
   return !num::IsNan(wq);
 }
 
-// One CTA: one token, kMmaWarps * tiles_per_warp tiles of consecutive
-// entries; warp w takes tiles w, w + 16, ..., keeping kStages - 1 of them in
-// flight. One CTA of 16 warps a multiprocessor (128 registers a thread), so
+// One CTA: one token, columns * tiles_per_warp tiles of consecutive entries;
+// the warps of column w take tiles w, w + columns, ..., each keeping
+// kStages - 1 of them in flight. One CTA of 16 warps a multiprocessor (128 registers a thread), so
 // each multiprocessor rounds its token's q once, not once per small CTA
 // (with three 4-warp CTAs, an earlier shape, ncu put a quarter of the warps'
 // samples in that prologue, waiting on q behind the key tiles' loads and
 // repeating its arithmetic; benchmarks/RESULTS-indexer.md runs 11 and 12).
+// kPairs (grids of a tile a warp, PairWarps): 8 columns of two warps; warp
+// 2p + hf computes half hf of column p's fast tiles (FastTileHalf; each warp
+// copies the tile into its own ring) and warp 2p joins the halves, scores
+// per-block tiles alone and stores. A tile's latency is all such a grid
+// sees, and one half is about half of it. Else 16 columns of one warp.
+template <bool kPairs>
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4(IndexerTopkArgs a,
                                                                                  int tiles_per_warp) {
   extern __shared__ __align__(16) uint32_t ring_dyn[];       // kRingBytes: the key rings
   __shared__ QueryOperands qo;
   __shared__ int32_t blocks_s[kMmaWarps * kMaxTilesPerWarp];
+  // kPairs: warp 2p + 1's halves of the head tree, a buffer per tile parity
+  __shared__ float half_l3[kPairs ? 2 : 1][kPairs ? kMmaWarps / 2 : 1][4][32];
   cuda::LetNextStart();        // the select may take multiprocessors this grid leaves
   const int64_t t = blockIdx.x;
   const TokenInfo ti = ReadToken(a, t);
-  const int64_t span = static_cast<int64_t>(kMmaWarps) * tiles_per_warp * kTile;
+  constexpr int columns = kPairs ? kMmaWarps / 2 : kMmaWarps; // tiles the CTA works on at once
+  const int64_t span = static_cast<int64_t>(columns) * tiles_per_warp * kTile;
   const int64_t first = static_cast<int64_t>(blockIdx.y) * span;
   if (!ti.ok || first >= ti.n) return;
   // the query first: its loads go out before the key tiles', which would
@@ -784,7 +796,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
     neg_lo = __float_as_uint(a.weights[t * kIndexHeads + threadIdx.x]) >> 31;
     neg_hi = __float_as_uint(a.weights[t * kIndexHeads + 32 + threadIdx.x]) >> 31;
   }
-  if (threadIdx.x < kMmaWarps * tiles_per_warp) {
+  if (threadIdx.x < columns * tiles_per_warp) {
     // each logical block is read here by one CTA: it counts a missing one
     const int64_t j = first / kTile + threadIdx.x;
     const int32_t block = j < a.MB ? a.block_table[ti.slot * a.MB + j] : -1;
@@ -793,6 +805,8 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int column = kPairs ? warp >> 1 : warp;                // tiles column + columns * it
+  const int half = kPairs ? warp & 1 : -1;                     // pairs: this warp's heads
   const int own_row = g + 8 * c;                               // the row this lane finishes
   const uint32_t byte_c = 0x4440u + c;                         // permute: byte c, zeros above
   const int64_t l = *a.layer;
@@ -805,9 +819,9 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   ts.dst = ring + lane * 16;
   uint32_t* keys = a.scratch + t * a.E;
   int tiles = 0;                                               // this warp's tiles below n
-  while (tiles < tiles_per_warp && first + (warp + kMmaWarps * tiles) * kTile < ti.n) ++tiles;
+  while (tiles < tiles_per_warp && first + (column + columns * tiles) * kTile < ti.n) ++tiles;
   auto issue = [&](int it) {
-    if (it < tiles) ts.Issue(blocks_s[warp + kMmaWarps * it], it % kStages, lane);
+    if (it < tiles) ts.Issue(blocks_s[column + columns * it], it % kStages, lane);
     CpAsyncCommit();                                           // empty groups keep the count
   };
 #pragma unroll 1
@@ -827,14 +841,14 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   }
   const bool token_fast = __syncthreads_and(head_fast);
   for (int it = 0; it < tiles; ++it) {                         // uniform per warp
-    const int32_t block = blocks_s[warp + kMmaWarps * it];    // read early: hides its latency
+    const int32_t block = blocks_s[column + columns * it];    // read early: hides its latency
     issue(it + kStages - 1);
     CpAsyncWait<kStages - 1>();
     __syncwarp();
-    const int64_t e0 = first + (warp + kMmaWarps * it) * kTile;
+    const int64_t e0 = first + (column + columns * it) * kTile;
     if (block < 0 || block >= a.N) {
-      if (e0 + lane < ti.n) keys[e0 + lane] = 0;
-    } else {
+      if (half <= 0 && e0 + lane < ti.n) keys[e0 + lane] = 0;
+    } else if (half <= 0 || token_fast) {                      // pairs: warp 2p + 1 only helps
       const uint32_t* st = &ring_s[warp][it % kStages][0];
       const bool own_valid = e0 + own_row < ti.n;
       uint32_t shifts;
@@ -854,15 +868,40 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
         }
         const TreeSigns& signs = qo.tree[c];
         float lo[4], hi[4];
-        FastTileHalf<0>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, lo);
-        FastTileHalf<1>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, hi);
+        if constexpr (!kPairs) {
+          FastTileHalf<0>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, lo);
+          FastTileHalf<1>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, hi);
+        } else {
+          if (half == 0)
+            FastTileHalf<0>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, lo);
+          else
+            FastTileHalf<1>(qo.fast + lane, qo.leaf + c, signs, qo.start + c, kv, tab, hi);
+          // the pair's halves meet in shared memory (a buffer per tile parity:
+          // warp 2p + 1 writes one while warp 2p may still read the other)
+          float(&other)[4][32] = half_l3[it & 1][column];
+          if (half == 1) {
+#pragma unroll
+            for (int h = 0; h < 4; ++h) other[h][lane] = hi[h];
+          }
+          asm volatile("bar.sync %0, 64;" ::"r"(1 + column) : "memory");
+          if (half == 1) {
+            __syncwarp();
+            continue;
+          }
+#pragma unroll
+          for (int h = 0; h < 4; ++h) hi[h] = other[h][lane];
+        }
 #pragma unroll
         for (int h = 0; h < 4; ++h) l4[h] = JoinHeadHalves(lo[h], hi[h], signs);
         kf *= signs.root;                                      // both powers of two
         m5 = signs.l5, m6 = signs.l6;
       } else {
+        if (half == 1) {                                       // warp 2p scores it alone
+          __syncwarp();
+          continue;
+        }
         kf = 1.f;
-        const float4 v = BlockTileL4(st, qo.block + lane, qo.qf, qo.w, g, c);
+        const float4 v = BlockTileL4<kPairs>(st, qo.block + lane, qo.qf, qo.w, g, c);
         l4[0] = v.x, l4[1] = v.y, l4[2] = v.z, l4[3] = v.w;
       }
       const float score = kf * QuadHeadTree(l4, c, m5, m6);
@@ -889,6 +928,20 @@ int TilesPerWarp(int64_t T, int64_t E) {
   const int64_t per_token = std::max<int64_t>(1, resident * std::max<int64_t>(waves, 1) / T);
   const int64_t tpw = (units + per_token - 1) / per_token;
   return static_cast<int>(tpw < 1 ? 1 : tpw > kMaxTilesPerWarp ? kMaxTilesPerWarp : tpw);
+}
+
+// Whether the score kernel runs in pairs (ScoreKernelMxfp4): when every warp
+// would have one tile and the twice as many CTAs still fit one wave.
+// DSV4_INDEXER_PAIRS=0 or 1 (read once) forces it, for comparisons.
+bool PairWarps(int64_t T, int64_t E, int tiles_per_warp) {
+  static const int forced = [] {
+    const char* v = std::getenv("DSV4_INDEXER_PAIRS");
+    return v && (v[0] == '0' || v[0] == '1') ? v[0] - '0' : -1;
+  }();
+  if (forced >= 0) return forced == 1;
+  const int64_t resident = static_cast<int64_t>(cuda::SmCount()) * kScoreCtasPerSm;
+  const int64_t pair_span = (kMmaWarps / 2) * kTile;
+  return tiles_per_warp == 1 && T * ((E + pair_span - 1) / pair_span) <= resident;
 }
 
 // Inclusive sum over the block's threads of one value each; returns the
@@ -1448,18 +1501,27 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
       return ffi::Error::InvalidArgument("indexer_topk: too many tokens or entries for one grid");
     if (a.q_format == kQueryMxfp4) {
       const int tpw = TilesPerWarp(a.T, a.E);
-      const int64_t span = static_cast<int64_t>(kMmaWarps) * tpw * kTile;
+      const bool pairs = PairWarps(a.T, a.E, tpw);
+      const int64_t span = static_cast<int64_t>(pairs ? kMmaWarps / 2 : kMmaWarps) * tpw * kTile;
       const int64_t ctas = (a.E + span - 1) / span;
       if (ctas > 65535)
         return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
       // static and dynamic shared memory together pass the default 48 KB
-      static const cudaError_t opt_in = cudaFuncSetAttribute(
-          ScoreKernelMxfp4, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
+      static const cudaError_t opt_in = [] {
+        const cudaError_t e = cudaFuncSetAttribute(
+            ScoreKernelMxfp4<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
+        return e != cudaSuccess ? e : cudaFuncSetAttribute(ScoreKernelMxfp4<true>,
+                                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                           kRingBytes);
+      }();
       if (opt_in != cudaSuccess)
         return ffi::Error::Internal(std::string("indexer_topk shared memory: ") +
                                     cudaGetErrorString(opt_in));
-      ScoreKernelMxfp4<<<dim3(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas)),
-                         kMmaThreads, kRingBytes, stream>>>(a, tpw);
+      const dim3 grid(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas));
+      if (pairs)
+        ScoreKernelMxfp4<true><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw);
+      else
+        ScoreKernelMxfp4<false><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw);
     } else if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)

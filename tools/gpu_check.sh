@@ -34,6 +34,14 @@ fi
 echo "== GPU tests"
 $PY -m pytest -q -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
+# the mxfp4 score kernel's two shapes (PairWarps in cuda/indexer_topk.cu)
+# whatever the grid: the runs above take the one each grid gets
+for pairs in 0 1; do
+  echo "== indexer tests, DSV4_INDEXER_PAIRS=$pairs"
+  DSV4_INDEXER_PAIRS=$pairs $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
+    2>&1 | tee "$OUT/pytest_indexer_pairs$pairs.log" | tail -2
+  [ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
+done
 
 sanitize_rc=0
 if [ -n "$SANITIZE" ] && [ "$SANITIZE" != 0 ]; then
