@@ -754,11 +754,12 @@ __device__ bool QuantizeQueryPair(const QueryBlockRaw& raw, int h, int b, QueryO
 
 // One CTA: one token, columns * tiles_per_warp tiles of consecutive entries;
 // the warps of column w take tiles w, w + columns, ..., each keeping
-// kStages - 1 of them in flight. One CTA of 16 warps a multiprocessor (128 registers a thread), so
-// each multiprocessor rounds its token's q once, not once per small CTA
-// (with three 4-warp CTAs, an earlier shape, ncu put a quarter of the warps'
-// samples in that prologue, waiting on q behind the key tiles' loads and
-// repeating its arithmetic; benchmarks/RESULTS-indexer.md runs 11 and 12).
+// kStages - 1 of them in flight. One CTA of 16 warps a multiprocessor (128
+// registers a thread), so each multiprocessor rounds its token's q once, not
+// once per small CTA (with three 4-warp CTAs, an earlier shape, ncu put a
+// quarter of the warps' samples in that prologue, waiting on q behind the
+// key tiles' loads and repeating its arithmetic; benchmarks/RESULTS-indexer.md
+// runs 11 and 12).
 // kPairs (grids of a tile a warp, PairWarps): 8 columns of two warps; warp
 // 2p + hf computes half hf of column p's fast tiles (FastTileHalf; each warp
 // copies the tile into its own ring) and warp 2p joins the halves, scores
@@ -1479,6 +1480,14 @@ bool SplitScores(int64_t T, int64_t E) {
   return forced >= 0 ? forced == 1 : T * E <= kSplitMaxWork;
 }
 
+// Lets both instances of a kernel template take `bytes` of dynamic shared
+// memory; the first error, if any.
+template <typename KernelA, typename KernelB>
+cudaError_t AllowDynamicShared(KernelA* a, KernelB* b, size_t bytes) {
+  const cudaError_t e = cudaFuncSetAttribute(a, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  return e != cudaSuccess ? e : cudaFuncSetAttribute(b, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
 ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                            ffi::AnyBuffer token_pos, ffi::AnyBuffer q, ffi::AnyBuffer weights,
                            ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
@@ -1507,13 +1516,8 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
       if (ctas > 65535)
         return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
       // static and dynamic shared memory together pass the default 48 KB
-      static const cudaError_t opt_in = [] {
-        const cudaError_t e = cudaFuncSetAttribute(
-            ScoreKernelMxfp4<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
-        return e != cudaSuccess ? e : cudaFuncSetAttribute(ScoreKernelMxfp4<true>,
-                                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                           kRingBytes);
-      }();
+      static const cudaError_t opt_in =
+          AllowDynamicShared(ScoreKernelMxfp4<false>, ScoreKernelMxfp4<true>, kRingBytes);
       if (opt_in != cudaSuccess)
         return ffi::Error::Internal(std::string("indexer_topk shared memory: ") +
                                     cudaGetErrorString(opt_in));
@@ -1540,13 +1544,8 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
   constexpr size_t kSelectMaxBytes = std::max(2 * kSelectThreads, kMaxK) * sizeof(unsigned long long) +
                                      kTopCopies * kTopBins * sizeof(int);
   // both kernels' shared memory limit, once
-  static const cudaError_t select_opt_in = [] {
-    const cudaError_t e = cudaFuncSetAttribute(
-        SelectKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSelectMaxBytes);
-    return e != cudaSuccess ? e : cudaFuncSetAttribute(SelectKernel<true>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       kSelectMaxBytes);
-  }();
+  static const cudaError_t select_opt_in =
+      AllowDynamicShared(SelectKernel<false>, SelectKernel<true>, kSelectMaxBytes);
   if (select_opt_in != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk select shared memory: ") +
                                 cudaGetErrorString(select_opt_in));
