@@ -266,6 +266,9 @@ constexpr int kTile = 32;                                    // entries per warp
 static_assert(kTile == kPerBlock, "a tile is one logical block");
 constexpr int kMaxTilesPerWarp = 32;
 static_assert(kMmaWarps * kMaxTilesPerWarp <= kMmaThreads, "a thread reads each tile's block");
+// Tiles a score CTA works on at once: one a warp, or one a pair of warps
+// (ScoreKernelMxfp4's kPairs).
+__host__ __device__ constexpr int TileColumns(bool pairs) { return pairs ? kMmaWarps / 2 : kMmaWarps; }
 constexpr int kScoreCtasPerSm = 1;
 constexpr uint32_t kBlockMagicBits = 0x4B400000u;            // 1.5 * 2^23
 constexpr float kBlockMagic = 12582912.f;
@@ -772,11 +775,11 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   __shared__ QueryOperands qo;
   __shared__ int32_t blocks_s[kMmaWarps * kMaxTilesPerWarp];
   // kPairs: warp 2p + 1's halves of the head tree, a buffer per tile parity
-  __shared__ float half_l3[kPairs ? 2 : 1][kPairs ? kMmaWarps / 2 : 1][4][32];
+  __shared__ float half_l3[kPairs ? 2 : 1][kPairs ? TileColumns(true) : 1][4][32];
   cuda::LetNextStart();        // the select may take multiprocessors this grid leaves
   const int64_t t = blockIdx.x;
   const TokenInfo ti = ReadToken(a, t);
-  constexpr int columns = kPairs ? kMmaWarps / 2 : kMmaWarps; // tiles the CTA works on at once
+  constexpr int columns = TileColumns(kPairs);
   const int64_t span = static_cast<int64_t>(columns) * tiles_per_warp * kTile;
   const int64_t first = static_cast<int64_t>(blockIdx.y) * span;
   if (!ti.ok || first >= ti.n) return;
@@ -941,7 +944,7 @@ bool PairWarps(int64_t T, int64_t E, int tiles_per_warp) {
   }();
   if (forced >= 0) return forced == 1;
   const int64_t resident = static_cast<int64_t>(cuda::SmCount()) * kScoreCtasPerSm;
-  const int64_t pair_span = (kMmaWarps / 2) * kTile;
+  const int64_t pair_span = TileColumns(true) * kTile;
   return tiles_per_warp == 1 && T * ((E + pair_span - 1) / pair_span) <= resident;
 }
 
@@ -1511,7 +1514,7 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
     if (a.q_format == kQueryMxfp4) {
       const int tpw = TilesPerWarp(a.T, a.E);
       const bool pairs = PairWarps(a.T, a.E, tpw);
-      const int64_t span = static_cast<int64_t>(pairs ? kMmaWarps / 2 : kMmaWarps) * tpw * kTile;
+      const int64_t span = static_cast<int64_t>(TileColumns(pairs)) * tpw * kTile;
       const int64_t ctas = (a.E + span - 1) / span;
       if (ctas > 65535)
         return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
