@@ -55,6 +55,10 @@ constexpr int kTopBits = 12;        // the select's first histogram: the keys' t
 constexpr int kTopBins = 1 << kTopBits;
 constexpr int kTopCopies = 4;       // lane L counts into copy L mod 4
 constexpr int kBinKeysCap = kTopCopies * kTopBins;   // keys of one bin, in the same space
+// The select orders its keys by rank within their top-bits bins (RankInBins)
+// while no bin that holds taken keys has more than this many: each key then
+// costs at most this many comparisons, about what the bitonic sort costs.
+constexpr int kRankBinMax = 512;
 constexpr int64_t kPerBlock = kBlockTokens / kCsaRatio;
 
 struct TokenInfo {
@@ -1189,6 +1193,62 @@ __device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
 }
 static_assert(kSelectThreads == 1 << 10, "SortOnePerThread's cases");
 
+// How many of v[lo .. hi) are at most c (unsigned 64-bit), three
+// instructions each: c - v[j] as a borrow chain whose carry adds 1 when
+// c >= v[j].
+__device__ __forceinline__ int CountAtMost(const unsigned long long* v, int lo, int hi,
+                                           unsigned long long c) {
+  const uint32_t c_lo = static_cast<uint32_t>(c), c_hi = static_cast<uint32_t>(c >> 32);
+  uint32_t n = 0;
+  const auto step = [&](unsigned long long x) {
+    asm("{\n\t.reg .u32 t;\n\t"
+        "sub.cc.u32 t, %1, %2;\n\t"
+        "subc.cc.u32 t, %3, %4;\n\t"
+        "addc.u32 %0, %0, 0;\n\t}"
+        : "+r"(n)
+        : "r"(c_lo), "r"(static_cast<uint32_t>(x)), "r"(c_hi), "r"(static_cast<uint32_t>(x >> 32)));
+  };
+  int j = lo;
+  for (; j + 4 <= hi; j += 4) {
+    const unsigned long long x0 = v[j], x1 = v[j + 1], x2 = v[j + 2], x3 = v[j + 3];
+    step(x0), step(x1), step(x2), step(x3);
+  }
+  for (; j < hi; ++j) step(v[j]);
+  return static_cast<int>(n);
+}
+
+// The select's output without a sort: composites are distinct, so a key's
+// place is the number of taken keys above it. Keys of higher top-bits bins
+// are all above it; within its bin they are counted one by one.
+//  - above[0 .. n_above): the taken keys of the bins above the K-th key's
+//    (all of them when every candidate is taken), grouped by bin: bin b's at
+//    [start[b], end[b]) and every group ahead of lower bins' groups, so
+//    start[b] is also the number of keys in higher bins;
+//  - in_bin[0 .. nb): every key of the K-th key's bin, of which the `need`
+//    largest are taken (places n_above ..).
+// Writes out[0 .. m) and -1 after, up to K.
+__device__ void RankInBins(const unsigned long long* above, int n_above, const int* start,
+                           const int* end, const unsigned long long* in_bin, int nb, int need,
+                           int64_t m, int64_t K, int32_t* out) {
+  const int tid = threadIdx.x;
+  const auto index = [](unsigned long long comp) {
+    return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(comp));
+  };
+  for (int x = tid; x < n_above; x += kSelectThreads) {
+    const unsigned long long comp = above[x];
+    const int b = static_cast<int>(comp >> (64 - kTopBits));
+    const int lo = start[b], hi = end[b];
+    out[lo + (hi - lo) - CountAtMost(above, lo, hi, comp)] = index(comp);
+  }
+  // from the last thread down, so these are mostly other warps than the above
+  for (int x = kSelectThreads - 1 - tid; x < nb; x += kSelectThreads) {
+    const unsigned long long comp = in_bin[x];
+    const int r = nb - CountAtMost(in_bin, 0, nb, comp);
+    if (r < need) out[n_above + r] = index(comp);
+  }
+  for (int64_t r = m + tid; r < K; r += kSelectThreads) out[r] = -1;
+}
+
 // With kCluster the select's CTAs of one token form a cluster of `ctas`.
 // Each holds a contiguous chunk of the token's keys; rank 0, the leader,
 // finishes the selection with what the others hand it through distributed
@@ -1208,9 +1268,11 @@ __device__ __forceinline__ T* InCta(T* p, int rank) {
 
 // count_missing: the score kernel did not count the token's missing blocks
 // (the mxfp4 one does, as it reads the block table).
+// by_rank: RankInBins orders the keys where it may (kRankBinMax), else the sort.
 template <bool kCluster>
 __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a, int kp,
-                                                                bool count_missing, int ctas) {
+                                                                bool count_missing, int ctas,
+                                                                bool by_rank) {
 
   // kp composite keys (2 kp when kp <= threads), then the top-bits histograms
   extern __shared__ unsigned long long sel[];
@@ -1221,15 +1283,19 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   __shared__ __align__(16) int chunk_top[kTopBins];   // this CTA's top-bits counts, summed
   __shared__ int warp_sums[kSelectThreads / 32 + 1];
   __shared__ uint32_t s_prefix, s_need, s_ncand;
-  __shared__ int s_gt, s_eq, s_nb, s_bin, s_bin_count;
+  __shared__ int s_gt, s_eq, s_nb, s_bin, s_bin_count, s_big;
   const int sel_words = kp <= kSelectThreads ? 2 * kp : kp;
   // shared state first: it needs nothing of the score kernel
   int* top_hist = reinterpret_cast<int*>(sel + sel_words);   // kTopCopies x kTopBins
+  // RankInBins' bin offsets, in copies the bin's gathered keys (bin_buf below) leave alone
+  static_assert(kTopCopies >= 4 && kSelectThreads * 2 <= 2 * kTopBins, "bin_buf in copies 0-1");
+  int* bin_fill = top_hist + 2 * kTopBins;
+  int* bin_start = top_hist + 3 * kTopBins;
   for (int b = threadIdx.x; b < kTopCopies * kTopBins / 4; b += kSelectThreads)
     reinterpret_cast<int4*>(top_hist)[b] = make_int4(0, 0, 0, 0);
   for (int r = threadIdx.x; r < kp; r += kSelectThreads) sel[r] = 0ull;
   if (threadIdx.x < 256) hist[threadIdx.x] = 0;      // RadixSelectOneEach's histogram
-  if (threadIdx.x == 0) s_gt = s_eq = s_nb = 0;
+  if (threadIdx.x == 0) s_gt = s_eq = s_nb = s_big = 0;
   cuda::WaitForPrevious();     // the score kernel's rank keys (launched overlapped)
   const int rank = kCluster ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
   const int64_t t = kCluster ? blockIdx.x / ctas : blockIdx.x;
@@ -1303,6 +1369,21 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     int above = BlockExclusiveScan(sum, warp_sums, &total);   // keys in higher bins
     if (tid == 0) s_ncand = static_cast<uint32_t>(total);
     const int K = static_cast<int>(a.K);
+    if (!kCluster && by_rank) {
+      // RankInBins: where each bin's keys start (the keys in higher bins; the
+      // copies were all read before the scan's first barrier), a fill
+      // counter each, and the largest bin holding taken keys (starting below K)
+      const int s3 = above, s2 = s3 + c[3], s1 = s2 + c[2], s0 = s1 + c[1];
+      *reinterpret_cast<int4*>(bin_start + b0) = make_int4(s0, s1, s2, s3);
+      *reinterpret_cast<int4*>(bin_fill + b0) = make_int4(s0, s1, s2, s3);
+      int big = 0;
+      if (s3 < K) big = max(big, c[3]);
+      if (s2 < K) big = max(big, c[2]);
+      if (s1 < K) big = max(big, c[1]);
+      if (s0 < K) big = max(big, c[0]);
+      big = __reduce_max_sync(cuda::kFull, big);
+      if ((tid & 31) == 0 && big > 0) atomicMax(&s_big, big);
+    }
     if (total > K && above < K && above + sum >= K) {           // one thread crosses
       for (int e = 3; e >= 0; --e) {
         if (above + c[e] >= K) {
@@ -1325,6 +1406,23 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   unsigned long long* bin_buf = reinterpret_cast<unsigned long long*>(top_hist);  // once summed
   uint32_t* bin_keys = reinterpret_cast<uint32_t*>(top_hist);
   const uint32_t bin = all_taken ? 0u : static_cast<uint32_t>(s_bin);
+  if (!kCluster && by_rank && s_big <= kRankBinMax) {
+    // the keys of the bins above the K-th key's (every candidate's bin when
+    // all are taken) into their bin's group of sel, the K-th key's bin into
+    // bin_buf; then each key's place by RankInBins, no sort
+    keys.ForEach([&](uint32_t key, int64_t i) {
+      if (key == 0) return;
+      const uint32_t kb = key >> (32 - kTopBits);
+      if (all_taken || kb > bin) sel[atomicAdd(&bin_fill[kb], 1)] = Composite(key, i);
+      else if (kb == bin) bin_buf[atomicAdd(&s_nb, 1)] = Composite(key, i);
+    });
+    __syncthreads();
+    const int need_bin = all_taken ? 0 : static_cast<int>(s_need);
+    const int n_above = all_taken ? static_cast<int>(ncand) : static_cast<int>(a.K) - need_bin;
+    RankInBins(sel, n_above, bin_start, bin_fill, bin_buf, all_taken ? 0 : s_nb, need_bin,
+               all_taken ? ncand : a.K, a.K, out);
+    return;
+  }
   {
     // into the leader's sel and bin_buf (its top_hist copies, which nobody
     // reads after the sync above), in any order. One atomic a warp and list
@@ -1465,6 +1563,17 @@ int SelectCtas(int64_t E) {
   return ctas;
 }
 
+// Whether the lone select CTA may order its keys by rank within their
+// top-bits bins (RankInBins) instead of radix passes and a sort.
+// DSV4_SELECT_RANK=0 (read once) forces the sort, for comparisons.
+bool RankSelect() {
+  static const bool on = [] {
+    const char* v = std::getenv("DSV4_SELECT_RANK");
+    return !(v && v[0] == '0');
+  }();
+  return on;
+}
+
 // Which score kernel runs. Both give the same bits. On an H100 (see
 // benchmarks/RESULTS-indexer.md) the four-lane kernel is faster only while
 // the grid is small (it is bound by shared-memory wavefronts: its lanes read
@@ -1557,12 +1666,13 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
     return ffi::Error::InvalidArgument("indexer_topk: too many tokens for one select grid");
   const unsigned grid = static_cast<unsigned>(a.T > 0 ? a.T * ctas : 1);
   const bool count_missing = a.q_format != kQueryMxfp4;
+  const bool rank = RankSelect();
   cudaError_t err =
       ctas > 1 ? cuda::LaunchOverlapped(SelectKernel<true>, dim3(grid), dim3(kSelectThreads),
                                         sel_bytes, static_cast<unsigned>(ctas), stream, a, kp,
-                                        count_missing, ctas)
+                                        count_missing, ctas, rank)
                : cuda::LaunchOverlapped(SelectKernel<false>, dim3(grid), dim3(kSelectThreads),
-                                        sel_bytes, 1u, stream, a, kp, count_missing, 1);
+                                        sel_bytes, 1u, stream, a, kp, count_missing, 1, rank);
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(err));

@@ -42,6 +42,11 @@ for pairs in 0 1; do
     2>&1 | tee "$OUT/pytest_indexer_pairs$pairs.log" | tail -2
   [ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
 done
+# the select's sort, where its ranking by bins (RankSelect) would run
+echo "== indexer tests, DSV4_SELECT_RANK=0"
+DSV4_SELECT_RANK=0 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
+  2>&1 | tee "$OUT/pytest_indexer_sort.log" | tail -2
+[ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
 
 sanitize_rc=0
 if [ -n "$SANITIZE" ] && [ "$SANITIZE" != 0 ]; then
