@@ -21,14 +21,17 @@
 //     score kernel lets it launch at once, so its CTAs take multiprocessors
 //     as score CTAs leave them and clear their shared memory before they
 //     wait for the scores): a histogram
-//     of the keys' top 12 bits finds the bin of the k-th largest key; when
-//     that bin holds at most 1024 keys (the usual case), one pass takes the
-//     keys above it and gathers the bin's, and radix passes among those find
-//     the k-th key; else radix passes of 8 bits below the bin's prefix over
-//     the bin's keys (or all keys). The keys above it and those equal to it
-//     are collected (in index order when they overflow the buffer); a
-//     bitonic sort (shuffles within a warp, shared memory across) orders
-//     them (key descending, index ascending).
+//     of the keys' top 12 bits finds the bin of the k-th largest key. In
+//     the usual case (no bin holding taken keys has more than 512) one pass
+//     drops the keys above that bin into groups by bin and gathers the bin's
+//     keys, and each key's place is the count of keys above it in its group
+//     (RankInBins): that orders them (key descending, index ascending) and
+//     picks the bin's largest without a sort. Else, when the k-th key's bin
+//     holds at most 1024 keys, radix passes among the gathered ones find the
+//     k-th key; else radix passes of 8 bits below the bin's prefix over the
+//     bin's keys (or all keys). The keys above it and those equal to it are
+//     collected (in index order when they overflow the buffer); a bitonic
+//     sort (shuffles within a warp, shared memory across) orders them.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -1288,7 +1291,8 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   // shared state first: it needs nothing of the score kernel
   int* top_hist = reinterpret_cast<int*>(sel + sel_words);   // kTopCopies x kTopBins
   // RankInBins' bin offsets, in copies the bin's gathered keys (bin_buf below) leave alone
-  static_assert(kTopCopies >= 4 && kSelectThreads * 2 <= 2 * kTopBins, "bin_buf in copies 0-1");
+  static_assert(kTopCopies >= 4 && 2 * kRankBinMax <= kTopBins, "bin_buf within copy 0");
+  int* bin_end = top_hist + kTopBins;         // in a cluster; alone the filled bin_fill
   int* bin_fill = top_hist + 2 * kTopBins;
   int* bin_start = top_hist + 3 * kTopBins;
   for (int b = threadIdx.x; b < kTopCopies * kTopBins / 4; b += kSelectThreads)
@@ -1355,11 +1359,13 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
       const int4 v = *reinterpret_cast<const int4*>(top_hist + k * kTopBins + b0);
       c[0] += v.x, c[1] += v.y, c[2] += v.z, c[3] += v.w;
     }
+    int4 ahead = make_int4(0, 0, 0, 0);        // cluster: the lower ranks' counts
     if (kCluster) {                            // the cluster's counts: every chunk's
       *reinterpret_cast<int4*>(chunk_top + b0) = make_int4(c[0], c[1], c[2], c[3]);
       SelectSync<kCluster>();
       c[0] = c[1] = c[2] = c[3] = 0;
       for (int r = 0; r < ctas; ++r) {
+        if (r == rank) ahead = make_int4(c[0], c[1], c[2], c[3]);
         const int4 v = *reinterpret_cast<const int4*>(InCta<kCluster>(chunk_top, r) + b0);
         c[0] += v.x, c[1] += v.y, c[2] += v.z, c[3] += v.w;
       }
@@ -1369,13 +1375,18 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     int above = BlockExclusiveScan(sum, warp_sums, &total);   // keys in higher bins
     if (tid == 0) s_ncand = static_cast<uint32_t>(total);
     const int K = static_cast<int>(a.K);
-    if (!kCluster && by_rank) {
+    if (by_rank) {
       // RankInBins: where each bin's keys start (the keys in higher bins; the
-      // copies were all read before the scan's first barrier), a fill
-      // counter each, and the largest bin holding taken keys (starting below K)
+      // copies were all read before the scan's first barrier) and end, a fill
+      // counter each (in a cluster each CTA fills its own part of a group,
+      // after the lower ranks' parts), and the largest bin holding taken keys
+      // (starting below K)
       const int s3 = above, s2 = s3 + c[3], s1 = s2 + c[2], s0 = s1 + c[1];
       *reinterpret_cast<int4*>(bin_start + b0) = make_int4(s0, s1, s2, s3);
-      *reinterpret_cast<int4*>(bin_fill + b0) = make_int4(s0, s1, s2, s3);
+      *reinterpret_cast<int4*>(bin_fill + b0) =
+          make_int4(s0 + ahead.x, s1 + ahead.y, s2 + ahead.z, s3 + ahead.w);
+      if (kCluster)
+        *reinterpret_cast<int4*>(bin_end + b0) = make_int4(s0 + c[0], s1 + c[1], s2 + c[2], s3 + c[3]);
       int big = 0;
       if (s3 < K) big = max(big, c[3]);
       if (s2 < K) big = max(big, c[2]);
@@ -1406,21 +1417,25 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   unsigned long long* bin_buf = reinterpret_cast<unsigned long long*>(top_hist);  // once summed
   uint32_t* bin_keys = reinterpret_cast<uint32_t*>(top_hist);
   const uint32_t bin = all_taken ? 0u : static_cast<uint32_t>(s_bin);
-  if (!kCluster && by_rank && s_big <= kRankBinMax) {
+  if (by_rank && s_big <= kRankBinMax) {
     // the keys of the bins above the K-th key's (every candidate's bin when
-    // all are taken) into their bin's group of sel, the K-th key's bin into
-    // bin_buf; then each key's place by RankInBins, no sort
+    // all are taken) into their bin's group of the leader's sel, the K-th
+    // key's bin into its bin_buf; then each key's place by RankInBins, no sort
+    unsigned long long* lead_sel = InCta<kCluster>(sel, 0);
+    unsigned long long* lead_bin = InCta<kCluster>(bin_buf, 0);
+    int* lead_nb = InCta<kCluster>(&s_nb, 0);
     keys.ForEach([&](uint32_t key, int64_t i) {
       if (key == 0) return;
       const uint32_t kb = key >> (32 - kTopBits);
-      if (all_taken || kb > bin) sel[atomicAdd(&bin_fill[kb], 1)] = Composite(key, i);
-      else if (kb == bin) bin_buf[atomicAdd(&s_nb, 1)] = Composite(key, i);
+      if (all_taken || kb > bin) lead_sel[atomicAdd(&bin_fill[kb], 1)] = Composite(key, i);
+      else if (kb == bin) lead_bin[atomicAdd(lead_nb, 1)] = Composite(key, i);
     });
-    __syncthreads();
+    SelectSync<kCluster>();
+    if (rank != 0) return;
     const int need_bin = all_taken ? 0 : static_cast<int>(s_need);
     const int n_above = all_taken ? static_cast<int>(ncand) : static_cast<int>(a.K) - need_bin;
-    RankInBins(sel, n_above, bin_start, bin_fill, bin_buf, all_taken ? 0 : s_nb, need_bin,
-               all_taken ? ncand : a.K, a.K, out);
+    RankInBins(sel, n_above, bin_start, kCluster ? bin_end : bin_fill, bin_buf,
+               all_taken ? 0 : s_nb, need_bin, all_taken ? ncand : a.K, a.K, out);
     return;
   }
   {
@@ -1563,8 +1578,8 @@ int SelectCtas(int64_t E) {
   return ctas;
 }
 
-// Whether the lone select CTA may order its keys by rank within their
-// top-bits bins (RankInBins) instead of radix passes and a sort.
+// Whether the select may order its keys by rank within their top-bits bins
+// (RankInBins) instead of radix passes and a sort.
 // DSV4_SELECT_RANK=0 (read once) forces the sort, for comparisons.
 bool RankSelect() {
   static const bool on = [] {
