@@ -612,8 +612,20 @@ constexpr int64_t kBlockKeyBytes = static_cast<int64_t>(kPerBlock) * kIndexPacke
 constexpr int64_t kBlockScaleBytes = static_cast<int64_t>(kPerBlock) * kIndexScales;   // 128
 constexpr int kRingBytes = kMmaWarps * kStages * kTileWords * 4;                      // dynamic
 
-__device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
+// With an L2 eviction policy (StreamPolicy).
+__device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem),
+               "l"(policy)
+               : "memory");
+}
+// The key stream's L2 policy: evict_first where the keys are more than L2
+// holds (KeysEvictFirst), so that lines read once go before the rank keys
+// the select reads next; else evict_normal.
+__device__ __forceinline__ uint64_t StreamPolicy(bool evict_first) {
+  uint64_t p;
+  if (evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+  return p;
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
@@ -628,6 +640,7 @@ struct TileStream {
   const uint8_t* scale;      // layer's scale bytes + this lane's chunk
   uint32_t dst;              // this lane's shared address in stage 0
   int64_t N;
+  uint64_t policy;           // StreamPolicy
 
   // Starts the copy of `block` into `stage`; nothing for a missing block.
   __device__ __forceinline__ void Issue(int32_t block, int stage, int lane) const {
@@ -635,8 +648,9 @@ struct TileStream {
     const uint32_t d = dst + static_cast<uint32_t>(stage) * kTileWords * 4;
     const uint8_t* src = packed + static_cast<int64_t>(block) * kBlockKeyBytes;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) CpAsync16(d + 512 * i, src + 512 * i);
-    if (lane < 8) CpAsync16(d + kScaleWord * 4, scale + static_cast<int64_t>(block) * kBlockScaleBytes);
+    for (int i = 0; i < 4; ++i) CpAsync16(d + 512 * i, src + 512 * i, policy);
+    if (lane < 8)
+      CpAsync16(d + kScaleWord * 4, scale + static_cast<int64_t>(block) * kBlockScaleBytes, policy);
   }
 };
 
@@ -777,7 +791,8 @@ __device__ bool QuantizeQueryPair(const QueryBlockRaw& raw, int h, int b, QueryO
 // sees, and one half is about half of it. Else 16 columns of one warp.
 template <bool kPairs>
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4(IndexerTopkArgs a,
-                                                                                 int tiles_per_warp) {
+                                                                                 int tiles_per_warp,
+                                                                                 bool evict_first) {
   extern __shared__ __align__(16) uint32_t ring_dyn[];       // kRingBytes: the key rings
   __shared__ QueryOperands qo;
   __shared__ int32_t blocks_s[kMmaWarps * kMaxTilesPerWarp];
@@ -823,6 +838,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   const int64_t l = *a.layer;
   TileStream ts;
   ts.N = a.N;
+  ts.policy = StreamPolicy(evict_first);
   ts.packed = a.packed + l * a.N * kBlockKeyBytes + lane * 16;
   ts.scale = a.scale + l * a.N * kBlockScaleBytes + (lane & 7) * 16;
   auto ring_s = reinterpret_cast<uint32_t (*)[kStages][kTileWords]>(ring_dyn);
@@ -1578,6 +1594,22 @@ int SelectCtas(int64_t E) {
   return ctas;
 }
 
+// Whether the score kernel streams the keys with evict_first (StreamPolicy):
+// where they are more than L2 holds, so no line of theirs is read again in
+// the call anyway. On an H100 (benchmarks/RESULTS-indexer.md run 16) that
+// took B = 64, 64k (72 MB) from 58.8 to 55.8 us; where the keys fit (B = 1,
+// 1M: 18 MB) it cost 1 us, as a benchmark's next call then finds them in L2.
+// DSV4_INDEXER_EVICT=0 or 1 (read once) forces it, for comparisons.
+bool KeysEvictFirst(const IndexerTopkArgs& a) {
+  static const int forced = [] {
+    const char* v = std::getenv("DSV4_INDEXER_EVICT");
+    return v && (v[0] == '0' || v[0] == '1') ? v[0] - '0' : -1;
+  }();
+  if (forced >= 0) return forced == 1;
+  const double key_bytes = static_cast<double>(a.T) * static_cast<double>(a.E) * (kIndexPacked + kIndexScales);
+  return key_bytes > static_cast<double>(cuda::L2Bytes());
+}
+
 // Whether the select may order its keys by rank within their top-bits bins
 // (RankInBins) instead of radix passes and a sort.
 // DSV4_SELECT_RANK=0 (read once) forces the sort, for comparisons.
@@ -1650,9 +1682,9 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
                                     cudaGetErrorString(opt_in));
       const dim3 grid(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas));
       if (pairs)
-        ScoreKernelMxfp4<true><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw);
+        ScoreKernelMxfp4<true><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw, KeysEvictFirst(a));
       else
-        ScoreKernelMxfp4<false><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw);
+        ScoreKernelMxfp4<false><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw, KeysEvictFirst(a));
     } else if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)

@@ -46,20 +46,23 @@ __device__ __forceinline__ bool RowIsFiniteBf16(const uint4* row) {
 constexpr int kNopeChunks = kNopeDim / kChunk;  // 56
 constexpr unsigned kFull = 0xffffffffu;
 
-// Multiprocessors of the current device, read once per device (no allocation,
-// no sync; cudaDeviceGetAttribute is a host query).
-inline int SmCount() {
+// An attribute of the current device, read once per device (no allocation,
+// no sync; cudaDeviceGetAttribute is a host query); `fallback` (an H100's)
+// where it cannot be read.
+template <cudaDeviceAttr kAttr>
+inline int DeviceAttribute(int fallback) {
   static int cached[64] = {0};
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return fallback;
   if (cached[dev] == 0) {
     int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
-      n = 132;
+    if (cudaDeviceGetAttribute(&n, kAttr, dev) != cudaSuccess || n <= 0) n = fallback;
     cached[dev] = n;
   }
   return cached[dev];
 }
+inline int SmCount() { return DeviceAttribute<cudaDevAttrMultiProcessorCount>(132); }
+inline int64_t L2Bytes() { return DeviceAttribute<cudaDevAttrL2CacheSize>(50 << 20); }
 
 // Blocks for a grid-stride loop over `work` items of `per_block` each, at most
 // `waves` blocks per multiprocessor, at least one block.
