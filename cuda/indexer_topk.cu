@@ -614,8 +614,8 @@ constexpr int kRingBytes = kMmaWarps * kStages * kTileWords * 4;                
 
 // With an L2 eviction policy (StreamPolicy).
 __device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem),
-               "l"(policy)
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+               ::"r"(smem), "l"(gmem), "l"(policy)
                : "memory");
 }
 // The key stream's L2 policy: evict_first where the keys are more than L2
@@ -1402,7 +1402,8 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
       *reinterpret_cast<int4*>(bin_fill + b0) =
           make_int4(s0 + ahead.x, s1 + ahead.y, s2 + ahead.z, s3 + ahead.w);
       if (kCluster)
-        *reinterpret_cast<int4*>(bin_end + b0) = make_int4(s0 + c[0], s1 + c[1], s2 + c[2], s3 + c[3]);
+        *reinterpret_cast<int4*>(bin_end + b0) =
+            make_int4(s0 + c[0], s1 + c[1], s2 + c[2], s3 + c[3]);
       int big = 0;
       if (s3 < K) big = max(big, c[3]);
       if (s2 < K) big = max(big, c[2]);
@@ -1606,7 +1607,8 @@ bool KeysEvictFirst(const IndexerTopkArgs& a) {
     return v && (v[0] == '0' || v[0] == '1') ? v[0] - '0' : -1;
   }();
   if (forced >= 0) return forced == 1;
-  const double key_bytes = static_cast<double>(a.T) * static_cast<double>(a.E) * (kIndexPacked + kIndexScales);
+  const double key_bytes =
+      static_cast<double>(a.T) * static_cast<double>(a.E) * (kIndexPacked + kIndexScales);
   return key_bytes > static_cast<double>(cuda::L2Bytes());
 }
 
@@ -1681,10 +1683,11 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
         return ffi::Error::Internal(std::string("indexer_topk shared memory: ") +
                                     cudaGetErrorString(opt_in));
       const dim3 grid(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas));
+      const bool evict_first = KeysEvictFirst(a);
       if (pairs)
-        ScoreKernelMxfp4<true><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw, KeysEvictFirst(a));
+        ScoreKernelMxfp4<true><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw, evict_first);
       else
-        ScoreKernelMxfp4<false><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw, KeysEvictFirst(a));
+        ScoreKernelMxfp4<false><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw, evict_first);
     } else if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)
