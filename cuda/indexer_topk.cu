@@ -1048,11 +1048,16 @@ struct TokenKeys {
     }
   }
 
+  // (in registers: only the slots that hold a key of some thread, so a
+  // short row costs as many steps as it has keys a thread)
   template <typename F>
   __device__ __forceinline__ void ForEach(F f) const {
     if (!in_regs) return row.ForEach(f);
 #pragma unroll
-    for (int u = 0; u < kRegKeys; ++u) f(r[u], row.first + threadIdx.x + u * kSelectThreads);
+    for (int u = 0; u < kRegKeys; ++u) {
+      if (static_cast<int64_t>(u) * kSelectThreads >= row.n) break;   // uniform
+      f(r[u], row.first + threadIdx.x + u * kSelectThreads);
+    }
   }
 };
 
