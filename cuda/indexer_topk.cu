@@ -961,10 +961,7 @@ int TilesPerWarp(int64_t T, int64_t E) {
 // would have one tile and the twice as many CTAs still fit one wave.
 // DSV4_INDEXER_PAIRS=0 or 1 (read once) forces it, for comparisons.
 bool PairWarps(int64_t T, int64_t E, int tiles_per_warp) {
-  static const int forced = [] {
-    const char* v = std::getenv("DSV4_INDEXER_PAIRS");
-    return v && (v[0] == '0' || v[0] == '1') ? v[0] - '0' : -1;
-  }();
+  static const int forced = cuda::EnvSwitch("DSV4_INDEXER_PAIRS");
   if (forced >= 0) return forced == 1;
   const int64_t resident = static_cast<int64_t>(cuda::SmCount()) * kScoreCtasPerSm;
   const int64_t pair_span = TileColumns(true) * kTile;
@@ -1158,6 +1155,10 @@ __device__ void RadixSelectOneEach(uint32_t key, int top, uint32_t mask, uint32_
 __device__ __forceinline__ unsigned long long Composite(uint32_t key, int64_t i) {
   return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
 }
+// The index a composite holds.
+__device__ __forceinline__ int32_t CompositeIndex(unsigned long long comp) {
+  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(comp));
+}
 
 // Bitonic sort (descending) of kp = 2^kLog <= kSelectThreads composites, one
 // per thread in a register: partner exchanges by shuffles within a warp and
@@ -1255,20 +1256,17 @@ __device__ void RankInBins(const unsigned long long* above, int n_above, const i
                            const int* end, const unsigned long long* in_bin, int nb, int need,
                            int64_t m, int64_t K, int32_t* out) {
   const int tid = threadIdx.x;
-  const auto index = [](unsigned long long comp) {
-    return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(comp));
-  };
   for (int x = tid; x < n_above; x += kSelectThreads) {
     const unsigned long long comp = above[x];
     const int b = static_cast<int>(comp >> (64 - kTopBits));
     const int lo = start[b], hi = end[b];
-    out[lo + (hi - lo) - CountAtMost(above, lo, hi, comp)] = index(comp);
+    out[lo + (hi - lo) - CountAtMost(above, lo, hi, comp)] = CompositeIndex(comp);
   }
   // from the last thread down, so these are mostly other warps than the above
   for (int x = kSelectThreads - 1 - tid; x < nb; x += kSelectThreads) {
     const unsigned long long comp = in_bin[x];
     const int r = nb - CountAtMost(in_bin, 0, nb, comp);
-    if (r < need) out[n_above + r] = index(comp);
+    if (r < need) out[n_above + r] = CompositeIndex(comp);
   }
   for (int64_t r = m + tid; r < K; r += kSelectThreads) out[r] = -1;
 }
@@ -1556,7 +1554,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   if (kp <= kSelectThreads) {
     const unsigned long long v = SortOnePerThread(tid < kp ? sel[tid] : 0ull, kp, sel);
     if (tid < a.K)
-      out[tid] = tid < m ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(v)) : -1;
+      out[tid] = tid < m ? CompositeIndex(v) : -1;
     return;
   }
   for (int size = 2; size <= kp; size <<= 1) {
@@ -1576,7 +1574,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     }
   }
   for (int64_t r = tid; r < a.K; r += kSelectThreads)
-    out[r] = r < m ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(sel[r])) : -1;
+    out[r] = r < m ? CompositeIndex(sel[r]) : -1;
 }
 
 // CTAs a token's select spreads over (one cluster): the fewest that hold
@@ -1607,10 +1605,7 @@ int SelectCtas(int64_t E) {
 // 1M: 18 MB) it cost 1 us, as a benchmark's next call then finds them in L2.
 // DSV4_INDEXER_EVICT=0 or 1 (read once) forces it, for comparisons.
 bool KeysEvictFirst(const IndexerTopkArgs& a) {
-  static const int forced = [] {
-    const char* v = std::getenv("DSV4_INDEXER_EVICT");
-    return v && (v[0] == '0' || v[0] == '1') ? v[0] - '0' : -1;
-  }();
+  static const int forced = cuda::EnvSwitch("DSV4_INDEXER_EVICT");
   if (forced >= 0) return forced == 1;
   const double key_bytes =
       static_cast<double>(a.T) * static_cast<double>(a.E) * (kIndexPacked + kIndexScales);
@@ -1621,10 +1616,7 @@ bool KeysEvictFirst(const IndexerTopkArgs& a) {
 // (RankInBins) instead of radix passes and a sort.
 // DSV4_SELECT_RANK=0 (read once) forces the sort, for comparisons.
 bool RankSelect() {
-  static const bool on = [] {
-    const char* v = std::getenv("DSV4_SELECT_RANK");
-    return !(v && v[0] == '0');
-  }();
+  static const bool on = cuda::EnvSwitch("DSV4_SELECT_RANK") != 0;
   return on;
 }
 

@@ -74,6 +74,14 @@ inline unsigned GridFor(int64_t work, int per_block, int waves) {
   return static_cast<unsigned>(want);
 }
 
+// A comparison switch from the environment: 0 or 1 where the variable is
+// exactly "0" or "1", else -1 (unset or anything else: the default).
+// Callers read it once (a static), as their launches are hot.
+inline int EnvSwitch(const char* name) {
+  const char* v = std::getenv(name);
+  return v && (v[0] == '0' || v[0] == '1') && v[1] == '\0' ? v[0] - '0' : -1;
+}
+
 // Launches `kernel` so that it may start while the kernel before it on the
 // stream is still running (programmatic dependent launch, sm_90): its CTAs
 // do what needs nothing of that kernel, then WaitForPrevious(). Without the
@@ -81,10 +89,7 @@ inline unsigned GridFor(int64_t work, int per_block, int waves) {
 // ordinary launch: WaitForPrevious() then returns at once. DSV4_OVERLAP=0
 // (read once) makes every such launch ordinary, for comparisons.
 inline bool OverlapLaunches() {
-  static const bool on = [] {
-    const char* v = std::getenv("DSV4_OVERLAP");
-    return !(v && std::string(v) == "0");
-  }();
+  static const bool on = EnvSwitch("DSV4_OVERLAP") != 0;
   return on;
 }
 // `cluster_x` > 1 groups that many consecutive CTAs (along x) into a
