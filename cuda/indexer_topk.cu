@@ -1029,19 +1029,23 @@ struct KeyRow {
 // A KeyRow as one select CTA reads it: held in registers (16 a thread, key
 // tid + u * kSelectThreads in r[u]) when n <= kRegKeys * kSelectThreads, so
 // every pass after the first load costs no memory traffic; else read from
-// the scratch row on each pass. Keys past n read as 0 (callers skip them).
+// the scratch row on each pass. Keys past n read as 0, as a missing entry.
 struct TokenKeys {
   KeyRow row;
   bool in_regs;
+  int slots;                 // in registers: slots holding some thread's key
   uint32_t r[kRegKeys];
 
-  __device__ explicit TokenKeys(KeyRow kr) : row(kr), in_regs(kr.n <= kRegKeys * kSelectThreads) {
+  // (32-bit bounds and one base pointer, so a slot costs a compare and a load
+  // at an immediate offset)
+  __device__ explicit TokenKeys(KeyRow kr)
+      : row(kr), in_regs(kr.n <= kRegKeys * kSelectThreads),
+        slots(in_regs ? static_cast<int>((kr.n + kSelectThreads - 1) / kSelectThreads) : 0) {
     if (in_regs) {
+      const uint32_t* p = row.keys + threadIdx.x;
+      const int left = static_cast<int>(row.n) - static_cast<int>(threadIdx.x);
 #pragma unroll
-      for (int u = 0; u < kRegKeys; ++u) {
-        const int64_t i = threadIdx.x + u * kSelectThreads;
-        r[u] = i < row.n ? row.keys[i] : 0u;
-      }
+      for (int u = 0; u < kRegKeys; ++u) r[u] = u * kSelectThreads < left ? p[u * kSelectThreads] : 0u;
     }
   }
 
@@ -1052,7 +1056,7 @@ struct TokenKeys {
     if (!in_regs) return row.ForEach(f);
 #pragma unroll
     for (int u = 0; u < kRegKeys; ++u) {
-      if (static_cast<int64_t>(u) * kSelectThreads >= row.n) break;   // uniform
+      if (u >= slots) break;   // uniform
       f(r[u], row.first + threadIdx.x + u * kSelectThreads);
     }
   }
@@ -1363,9 +1367,10 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   __syncthreads();
   {
     int* my_top = top_hist + (tid & (kTopCopies - 1)) * kTopBins;
-    keys.ForEach([&](uint32_t key, int64_t) {
-      if (key != 0) atomicAdd(&my_top[key >> (32 - kTopBits)], 1);
-    });
+    // no test for key 0 (a missing entry, or past the row in its slot): it
+    // counts into bin 0, which no score's key reaches (NaN ranks as -inf, in
+    // bin 7) and which the scan below takes as empty
+    keys.ForEach([&](uint32_t key, int64_t) { atomicAdd(&my_top[key >> (32 - kTopBits)], 1); });
   }
   __syncthreads();
   // thread tid: bins 4(1023 - tid) .. + 3, so lower threads hold higher bins
@@ -1378,6 +1383,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
       const int4 v = *reinterpret_cast<const int4*>(top_hist + k * kTopBins + b0);
       c[0] += v.x, c[1] += v.y, c[2] += v.z, c[3] += v.w;
     }
+    if (b0 == 0) c[0] = 0;                     // bin 0: the zero keys (see above)
     int4 ahead = make_int4(0, 0, 0, 0);        // cluster: the lower ranks' counts
     if (kCluster) {                            // the cluster's counts: every chunk's
       *reinterpret_cast<int4*>(chunk_top + b0) = make_int4(c[0], c[1], c[2], c[3]);
@@ -1444,11 +1450,14 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
     unsigned long long* lead_sel = InCta<kCluster>(sel, 0);
     unsigned long long* lead_bin = InCta<kCluster>(bin_buf, 0);
     int* lead_nb = InCta<kCluster>(&s_nb, 0);
+    // one compare for most keys: below the first bin taken from (all taken:
+    // every bin but 0, the zero keys'; else the K-th key's bin, bin >= 7)
+    const uint32_t first_bin = all_taken ? 1u : bin;
     keys.ForEach([&](uint32_t key, int64_t i) {
-      if (key == 0) return;
       const uint32_t kb = key >> (32 - kTopBits);
-      if (all_taken || kb > bin) lead_sel[atomicAdd(&bin_fill[kb], 1)] = Composite(key, i);
-      else if (kb == bin) lead_bin[atomicAdd(lead_nb, 1)] = Composite(key, i);
+      if (kb < first_bin) return;
+      if (kb > bin) lead_sel[atomicAdd(&bin_fill[kb], 1)] = Composite(key, i);
+      else lead_bin[atomicAdd(lead_nb, 1)] = Composite(key, i);
     });
     SelectSync<kCluster>();
     if (rank != 0) return;

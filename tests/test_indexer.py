@@ -373,6 +373,20 @@ def np_rank_keys(s):
     return (key ^ 0x80000000).astype(np.uint32)
 
 
+def test_rank_keys_leave_the_lowest_bins_to_missing_entries():
+    """The CUDA select counts key 0 (a missing entry) into top-12-bit bin 0
+    without a test and takes that bin as empty: no score's rank key may fall
+    below bin 7 (the lowest is -inf's, and NaN ranks as -inf)."""
+    rng = np.random.default_rng(11)
+    special = np.array([-np.inf, np.nan, -np.nan, np.inf, -np.finfo(np.float32).max,
+                        -np.finfo(np.float32).tiny, -0.0, 0.0], np.float32)
+    bits = rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    s = np.concatenate([special, bits.view(np.float32)])
+    keys = np_rank_keys(s)
+    assert (keys >> 20).min() == 7
+    assert np_rank_keys(np.float32([-np.inf]))[0] >> 20 == 7
+
+
 def test_reference_scores_bit_exact():
     """The reference's score bits equal the numpy float32 replay of the
     documented order (a different summation order would show here)."""
