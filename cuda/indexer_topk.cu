@@ -57,6 +57,9 @@ constexpr int kHistStride = 257;
 constexpr int kTopBits = 12;        // the select's first histogram: the keys' top bits
 constexpr int kTopBins = 1 << kTopBits;
 constexpr int kTopCopies = 4;       // lane L counts into copy L mod 4
+// The select counts key 0 (a missing entry) into bin 0 unchecked and takes
+// that bin as empty: every score's key, down to -inf's, must lie above it.
+static_assert((0x007fffffu >> (32 - kTopBits)) > 0, "-inf's rank key above bin 0");
 constexpr int kBinKeysCap = kTopCopies * kTopBins;   // keys of one bin, in the same space
 // The select orders its keys by rank within their top-bits bins (RankInBins)
 // while no bin that holds taken keys has more than this many: each key then
