@@ -1326,15 +1326,18 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   for (int r = threadIdx.x; r < kp; r += kSelectThreads) sel[r] = 0ull;
   if (threadIdx.x < 256) hist[threadIdx.x] = 0;      // RadixSelectOneEach's histogram
   if (threadIdx.x == 0) s_gt = s_eq = s_nb = s_big = 0;
+  // the token's operands too: written before the score kernel started, so
+  // before this kernel did, they may be read ahead of the wait, and the key
+  // loads after it need not wait for them
+  const int64_t t = kCluster ? blockIdx.x / ctas : blockIdx.x;
+  const int64_t l = *a.layer;
+  const TokenInfo ti = t < a.T ? ReadToken(a, t) : TokenInfo{false, 0, 0};
   cuda::WaitForPrevious();     // the score kernel's rank keys (launched overlapped)
   const int rank = kCluster ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
-  const int64_t t = kCluster ? blockIdx.x / ctas : blockIdx.x;
   const int tid = threadIdx.x;
-  const int64_t l = *a.layer;
   if (blockIdx.x == 0 && tid == 0 && (l < 0 || l >= a.L)) atomicAdd(&a.errors[kBadLayer], 1);
   if (t >= a.T) return;                        // whole clusters: the grid is T * ctas
   int32_t* out = a.indices + t * a.K;
-  const TokenInfo ti = ReadToken(a, t);
   if (!ti.ok) {                                // the same for every CTA of the cluster
     if (rank != 0) return;
     if (tid == 0 && l >= 0 && l < a.L) {
