@@ -19,8 +19,8 @@
 //     kernel), launched so that it may start
 //     while the score kernel finishes (cuda::LaunchOverlapped; the mxfp4
 //     score kernel lets it launch at once, so its CTAs take multiprocessors
-//     as score CTAs leave them and clear their shared memory before they
-//     wait for the scores): a histogram
+//     as score CTAs leave them, clear their shared memory and read their
+//     token's slot and position before they wait for the scores): a histogram
 //     of the keys' top 12 bits finds the bin of the k-th largest key. In
 //     the usual case (no bin holding taken keys has more than 512) one pass
 //     drops the keys above that bin into groups by bin and gathers the bin's
