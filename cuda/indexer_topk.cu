@@ -466,9 +466,10 @@ __device__ __forceinline__ float QuadHeadTree(const float (&l4)[4], int c, float
 // signed (see TreeSigns). keys[r]: block c of row g + 8r (word kk: k-step
 // kk); tab[r]: its magnitude table. leaf[4j] = (s, s', -2^23 s, -2^23 s')
 // and start[4j] = (S, S', S, S'), the accumulator starts, of heads 16c + 2j,
-// +1. Each half decodes the keys again: that costs less than the registers
-// of all 64 heads' accumulators at once (a build without the decode was
-// only 2 % faster, benchmarks/RESULTS-indexer.md run 12).
+// +1. Each half decodes the keys itself, so that only half the heads'
+// accumulators are live at once (a build without the decode was only 2 %
+// faster, benchmarks/RESULTS-indexer.md run 12). The compiler merges the two
+// identical decodes: the sm_90a loop has one decode's 68 PRMT a tile (run 19).
 template <int kHalf>
 __device__ __forceinline__ void FastTileHalf(const uint4* bfrag, const float4* leaf,
                                              const TreeSigns& signs, const uint4* start,
