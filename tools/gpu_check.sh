@@ -2,7 +2,8 @@
 # One call on the GPU machine: build the CUDA module, run the GPU tests and the
 # benchmarks, print a short table last. Logs and JSON go to $OUT (or /tmp/gpu_out).
 #   device tool:  bash tools/gpu_check.sh
-# SKIP_BENCH=1 skips both benchmarks, SKIP_OPS_BENCH=1 only benchmarks/run.py;
+# SKIP_BENCH=1 skips the benchmarks (ops, indexer_topk, tensor_issue.cu),
+# SKIP_OPS_BENCH=1 only benchmarks/run.py;
 # BENCH_ARGS / INDEXER_BENCH_ARGS / PYTEST_ARGS pass options through.
 # SANITIZE=1 also runs tools/sanitize.sh (compute-sanitizer memcheck and
 # racecheck over the kernel tests, a few minutes) after the tests;
@@ -66,6 +67,14 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   $PY benchmarks/indexer.py --json "$OUT/indexer.json" ${INDEXER_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/indexer.log" | tail -22
   [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+  echo "== tensor-core issue microbenchmark (benchmarks/tensor_issue.cu)"
+  if nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 benchmarks/tensor_issue.cu \
+      -o /tmp/tensor_issue >"$OUT/tensor_issue_build.log" 2>&1; then
+    /tmp/tensor_issue 2>&1 | tee "$OUT/tensor_issue.md" | tail -16
+    [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+  else
+    tail -20 "$OUT/tensor_issue_build.log"; bench_rc=1
+  fi
 fi
 
 echo "== summary"

@@ -1,0 +1,170 @@
+// What the int8 tensor-core instructions cost a Hopper scheduler, alone and
+// with integer work between them: the question behind the indexer score
+// loop's speed (benchmarks/RESULTS-indexer.md, run 21). Standalone; no JAX.
+//
+//   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 \
+//        benchmarks/tensor_issue.cu -o /tmp/tensor_issue && /tmp/tensor_issue
+//
+// Every kernel runs one 512-thread CTA on each multiprocessor, four warps a
+// scheduler, as the score kernel does. Operand values do not matter here.
+//  - mma.sync: each warp issues 8 independent mma.m16n8k32.u8.s8 a turn, with
+//    kPrmt byte permutes (the integer pipe, as the key decode) and kFfma
+//    fmas (the fp32 pipe, as the head tree) after each. Reported: cycles a
+//    scheduler spends per mma.
+//  - wgmma: each warpgroup issues 4 wgmma.m64n64k32.u8.s8 (A from registers,
+//    B from shared memory) a turn, then kPrmt permutes a thread, then waits
+//    for its group. Reported: cycles a turn, against the permutes' own time
+//    (4 warps a scheduler, 2 cycles a permute: the integer pipe is half rate).
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+namespace {
+
+__device__ __forceinline__ void Prmt(unsigned& x, unsigned y) {
+  asm volatile("prmt.b32 %0, %0, %1, 0x3210;" : "+r"(x) : "r"(y));
+}
+
+template <int kPrmt, int kFfma, bool kDistinct>
+__global__ void __launch_bounds__(512, 1) MmaSync(int turns, unsigned* sink, long long* cycles) {
+  unsigned a[2][4], b[8][2], acc[8][4], x[8];
+  float f[8];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) a[i][j] = threadIdx.x * (i + 3) + j;
+  for (int i = 0; i < 8; ++i) {
+    b[i][0] = threadIdx.x ^ (0x1234u + i), b[i][1] = threadIdx.x * (i + 9);
+    for (int j = 0; j < 4; ++j) acc[i][j] = i + j;
+    x[i] = threadIdx.x + i, f[i] = threadIdx.x * 0.5f + i;
+  }
+  const long long t0 = clock64();
+  for (int turn = 0; turn < turns; ++turn) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      // kDistinct: the A and B registers change from mma to mma, as in the
+      // score loop; else one A and one B for all (the register reuse cache)
+      const unsigned(&ai)[4] = a[kDistinct ? i & 1 : 0];
+      const unsigned(&bi)[2] = b[kDistinct ? i / 2 : 0];
+      asm volatile(
+          "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};"
+          : "+r"(acc[i][0]), "+r"(acc[i][1]), "+r"(acc[i][2]), "+r"(acc[i][3])
+          : "r"(ai[0]), "r"(ai[1]), "r"(ai[2]), "r"(ai[3]), "r"(bi[0]), "r"(bi[1]));
+#pragma unroll
+      for (int k = 0; k < kPrmt; ++k) Prmt(x[k % 8], turn);
+#pragma unroll
+      for (int k = 0; k < kFfma; ++k)
+        asm volatile("fma.rn.f32 %0, %0, %1, %1;" : "+f"(f[k % 8]) : "f"(1.0001f));
+    }
+  }
+  const long long t1 = clock64();
+  unsigned s = 0;
+  for (int i = 0; i < 8; ++i) s += acc[i][0] + acc[i][1] + acc[i][2] + acc[i][3] + x[i] + __float_as_uint(f[i]);
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
+  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+}
+
+// A shared-memory matrix descriptor without swizzle (the values read do not
+// matter, only that the address is valid).
+__device__ __forceinline__ unsigned long long Descriptor(unsigned addr) {
+  return static_cast<unsigned long long>((addr >> 4) & 0x3fff) | (128ull >> 4) << 16 |
+         (256ull >> 4) << 32;
+}
+
+template <int kPrmt>
+__global__ void __launch_bounds__(512, 1) Wgmma(int turns, unsigned* sink, long long* cycles) {
+  __shared__ __align__(128) unsigned char b_s[4][4 * 2048];   // a warpgroup's 4 k-steps of B
+  for (int i = threadIdx.x; i < 4 * 2048; i += blockDim.x) reinterpret_cast<unsigned*>(b_s)[i] = i * 2654435761u;
+  __syncthreads();
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(&b_s[threadIdx.x / 128][0]));
+  unsigned a[4] = {threadIdx.x * 3u + 1, threadIdx.x ^ 0x5555u, threadIdx.x + 77, threadIdx.x * 5u};
+  unsigned d[32], x[8];
+  for (int i = 0; i < 32; ++i) d[i] = i;
+  for (int i = 0; i < 8; ++i) x[i] = threadIdx.x + i;
+  const long long t0 = clock64();
+  for (int turn = 0; turn < turns; ++turn) {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 "
+          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+          "%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p;\n}\n"
+          : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+            "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
+            "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]),
+            "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]),
+            "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(Descriptor(base + k * 2048)));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < kPrmt; ++k) Prmt(x[k % 8], turn);
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  }
+  const long long t1 = clock64();
+  unsigned s = 0;
+  for (int i = 0; i < 32; ++i) s += d[i];
+  for (int i = 0; i < 8; ++i) s += x[i];
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
+  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+}
+
+int g_sms = 0;
+unsigned* g_sink = nullptr;
+long long* g_cycles = nullptr;
+
+// Cycles of CTA 0's timed loop, from a second launch (the first warms up).
+template <typename Kernel>
+double TurnCycles(Kernel kernel, int turns) {
+  for (int rep = 0; rep < 2; ++rep) kernel<<<g_sms, 512>>>(turns, g_sink, g_cycles);
+  long long c = 0;
+  cudaMemcpy(&c, g_cycles, sizeof(c), cudaMemcpyDeviceToHost);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) std::printf("error: %s\n", cudaGetErrorString(e));
+  return static_cast<double>(c) / turns;
+}
+
+template <int kPrmt, int kFfma, bool kDistinct>
+void MmaRow() {
+  const double per_mma = TurnCycles(MmaSync<kPrmt, kFfma, kDistinct>, 2000) / (8 * 4);  // 4 warps a scheduler
+  std::printf("| mma.sync | %s | %2d | %d | %6.2f a mma | %5.1f |\n", kDistinct ? "changing" : "reused  ",
+              kPrmt, kFfma, per_mma, 4096.0 / per_mma);
+}
+
+template <int kPrmt>
+void WgmmaRow() {
+  const double per_turn = TurnCycles(Wgmma<kPrmt>, 1000);
+  const double macs = 4.0 * 4 * 64 * 64 * 32 / 4;   // a turn's MACs per scheduler
+  std::printf("| wgmma | A regs, B shared | %3d | 0 | %7.1f a turn (permutes alone %d) | %5.1f |\n", kPrmt,
+              per_turn, 4 * kPrmt * 2, macs / per_turn);
+}
+
+}  // namespace
+
+int main() {
+  cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaMalloc(&g_sink, g_sms * 512 * sizeof(unsigned));
+  cudaMalloc(&g_cycles, g_sms * sizeof(long long));
+  cudaDeviceProp p;
+  cudaGetDeviceProperties(&p, 0);
+  std::printf("%s, %d multiprocessors; cycles are SM clocks of one scheduler\n\n", p.name, g_sms);
+  std::printf("| instruction | operands | permutes | fmas | cycles | MACs a cycle a scheduler |\n");
+  std::printf("|---|---|--:|--:|--:|--:|\n");
+  MmaRow<0, 0, false>();
+  MmaRow<0, 0, true>();
+  MmaRow<0, 2, false>();
+  MmaRow<4, 0, false>();
+  MmaRow<4, 2, false>();
+  MmaRow<4, 2, true>();
+  MmaRow<8, 0, false>();
+  MmaRow<8, 4, false>();
+  MmaRow<16, 0, false>();
+  WgmmaRow<0>();
+  WgmmaRow<32>();
+  WgmmaRow<64>();
+  WgmmaRow<128>();
+  WgmmaRow<256>();
+  cudaFree(g_sink);
+  cudaFree(g_cycles);
+  return 0;
+}
