@@ -33,7 +33,7 @@ if [ "$SANITIZE" = only ]; then
 fi
 
 echo "== GPU tests"
-$PY -m pytest -q -m gpu -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+$PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
 # the mxfp4 score kernel's two shapes (PairWarps in cuda/indexer_topk.cu)
 # whatever the grid: the runs above take the one each grid gets
