@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(512, 1) Wgmma(int turns, unsigned* sink, long 
 int g_sms = 0;
 unsigned* g_sink = nullptr;
 long long* g_cycles = nullptr;
+bool g_failed = false;   // any CUDA error: the exit status says so
 
 // Cycles of CTA 0's timed loop, from a second launch (the first warms up).
 template <typename Kernel>
@@ -120,7 +121,10 @@ double TurnCycles(Kernel kernel, int turns) {
   long long c = 0;
   cudaMemcpy(&c, g_cycles, sizeof(c), cudaMemcpyDeviceToHost);
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) std::printf("error: %s\n", cudaGetErrorString(e));
+  if (e != cudaSuccess) {
+    std::printf("error: %s\n", cudaGetErrorString(e));
+    g_failed = true;
+  }
   return static_cast<double>(c) / turns;
 }
 
@@ -142,11 +146,17 @@ void WgmmaRow() {
 }  // namespace
 
 int main() {
-  cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0);
-  cudaMalloc(&g_sink, g_sms * 512 * sizeof(unsigned));
-  cudaMalloc(&g_cycles, g_sms * sizeof(long long));
   cudaDeviceProp p;
-  cudaGetDeviceProperties(&p, 0);
+  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess || p.major != 9) {
+    std::printf("tensor_issue needs a Hopper GPU (compute capability 9.x)\n");
+    return 1;
+  }
+  g_sms = p.multiProcessorCount;
+  if (cudaMalloc(&g_sink, g_sms * 512 * sizeof(unsigned)) != cudaSuccess ||
+      cudaMalloc(&g_cycles, g_sms * sizeof(long long)) != cudaSuccess) {
+    std::printf("tensor_issue: cannot allocate its buffers\n");
+    return 1;
+  }
   std::printf("%s, %d multiprocessors; cycles are SM clocks of one scheduler\n\n", p.name, g_sms);
   std::printf("| instruction | operands | permutes | fmas | cycles | MACs a cycle a scheduler |\n");
   std::printf("|---|---|--:|--:|--:|--:|\n");
@@ -166,5 +176,5 @@ int main() {
   WgmmaRow<256>();
   cudaFree(g_sink);
   cudaFree(g_cycles);
-  return 0;
+  return g_failed ? 1 : 0;
 }
