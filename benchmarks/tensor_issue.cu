@@ -109,6 +109,83 @@ __global__ void __launch_bounds__(512, 1) Wgmma(int turns, unsigned* sink, long 
   if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
 }
 
+// Both operands from shared memory (wgmma "ss"): the tensor core then reads
+// no registers but its accumulators. kStore: each turn first writes its A
+// (64 bytes a thread, as a key decode would) after the permutes, fences it
+// to the async proxy and meets its warpgroup on a named barrier, so the
+// wgmmas wait for the work before them and only other warpgroups' work can
+// overlap them; else the permutes run while the turn's wgmmas do.
+template <int kPrmt, bool kStore>
+__global__ void __launch_bounds__(512, 1) WgmmaSs(int turns, unsigned* sink, long long* cycles) {
+  __shared__ __align__(128) unsigned char b_s[4 * 2048];      // B, shared by the warpgroups
+  __shared__ __align__(128) unsigned char a_s[4][4 * 2048];   // a warpgroup's 4 k-steps of A
+  for (int i = threadIdx.x; i < 4 * 2048 / 4; i += blockDim.x) reinterpret_cast<unsigned*>(b_s)[i] = i * 2654435761u;
+  for (int i = threadIdx.x; i < 4 * 4 * 2048 / 4; i += blockDim.x) reinterpret_cast<unsigned*>(a_s)[i] = i * 40503u;
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  const unsigned a_base = static_cast<unsigned>(__cvta_generic_to_shared(&a_s[wg][0]));
+  const unsigned b_base = static_cast<unsigned>(__cvta_generic_to_shared(&b_s[0]));
+  uint4* a_mine = reinterpret_cast<uint4*>(&a_s[wg][0]) + threadIdx.x % 128;
+  unsigned d[32], x[8];
+  for (int i = 0; i < 32; ++i) d[i] = i;
+  for (int i = 0; i < 8; ++i) x[i] = threadIdx.x + i;
+  const long long t0 = clock64();
+  for (int turn = 0; turn < turns; ++turn) {
+    if (kStore) {
+#pragma unroll
+      for (int k = 0; k < kPrmt; ++k) Prmt(x[k % 8], turn);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) a_mine[128 * k] = make_uint4(x[(2 * k) % 8], x[(2 * k + 1) % 8], x[k], turn);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+    }
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 "
+          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+          "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p;\n}\n"
+          : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+            "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
+            "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]),
+            "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]),
+            "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+          : "l"(Descriptor(a_base + k * 2048)), "l"(Descriptor(b_base + k * 2048)));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    if (!kStore) {
+#pragma unroll
+      for (int k = 0; k < kPrmt; ++k) Prmt(x[k % 8], turn);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  }
+  const long long t1 = clock64();
+  unsigned s = 0;
+  for (int i = 0; i < 32; ++i) s += d[i];
+  for (int i = 0; i < 8; ++i) s += x[i];
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
+  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+}
+
+// The permutes alone, as the wgmma rows issue them: what "permutes alone"
+// there assumes (2 cycles a warp's permute, four warps a scheduler).
+template <int kPrmt>
+__global__ void __launch_bounds__(512, 1) PermutesOnly(int turns, unsigned* sink, long long* cycles) {
+  unsigned x[8];
+  for (int i = 0; i < 8; ++i) x[i] = threadIdx.x + i;
+  const long long t0 = clock64();
+  for (int turn = 0; turn < turns; ++turn) {
+#pragma unroll
+    for (int k = 0; k < kPrmt; ++k) Prmt(x[k % 8], turn);
+  }
+  const long long t1 = clock64();
+  unsigned s = 0;
+  for (int i = 0; i < 8; ++i) s += x[i];
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
+  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+}
+
 int g_sms = 0;
 unsigned* g_sink = nullptr;
 long long* g_cycles = nullptr;
@@ -143,6 +220,20 @@ void WgmmaRow() {
               per_turn, 4 * kPrmt * 2, macs / per_turn);
 }
 
+template <int kPrmt, bool kStore>
+void WgmmaSsRow() {
+  const double per_turn = TurnCycles(WgmmaSs<kPrmt, kStore>, 1000);
+  const double macs = 4.0 * 4 * 64 * 64 * 32 / 4;
+  std::printf("| wgmma | A, B shared%s | %3d | 0 | %7.1f a turn (permutes alone %d) | %5.1f |\n",
+              kStore ? ", A stored first" : "", kPrmt, per_turn, 4 * kPrmt * 2, macs / per_turn);
+}
+
+template <int kPrmt>
+void PermutesRow() {
+  std::printf("| none | | %3d | 0 | %7.1f a turn (permutes alone %d) | |\n", kPrmt,
+              TurnCycles(PermutesOnly<kPrmt>, 1000), 4 * kPrmt * 2);
+}
+
 }  // namespace
 
 int main() {
@@ -174,6 +265,16 @@ int main() {
   WgmmaRow<64>();
   WgmmaRow<128>();
   WgmmaRow<256>();
+  PermutesRow<128>();
+  PermutesRow<256>();
+  WgmmaSsRow<0, false>();
+  WgmmaSsRow<64, false>();
+  WgmmaSsRow<128, false>();
+  WgmmaSsRow<256, false>();
+  WgmmaSsRow<0, true>();
+  WgmmaSsRow<64, true>();
+  WgmmaSsRow<128, true>();
+  WgmmaSsRow<256, true>();
   cudaFree(g_sink);
   cudaFree(g_cycles);
   return g_failed ? 1 : 0;

@@ -804,19 +804,21 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   __shared__ float half_l3[kPairs ? 2 : 1][kPairs ? TileColumns(true) : 1][4][32];
   cuda::LetNextStart();        // the select may take multiprocessors this grid leaves
   const int64_t t = blockIdx.x;
-  const TokenInfo ti = ReadToken(a, t);
-  constexpr int columns = TileColumns(kPairs);
-  const int64_t span = static_cast<int64_t>(columns) * tiles_per_warp * kTile;
-  const int64_t first = static_cast<int64_t>(blockIdx.y) * span;
-  if (!ti.ok || first >= ti.n) return;
-  // the query first: its loads go out before the key tiles', which would
-  // otherwise queue ahead of them (every CTA starts its rings at once)
+  // the query first, even before the token's slot and position (its address
+  // needs neither; a CTA that then has nothing to score wasted 16 KB of
+  // reads): its loads go out before the key tiles', which would otherwise
+  // queue ahead of them (every CTA starts its rings at once)
   QueryBlockRaw qraw[kQueryPairsPerThread];
 #pragma unroll
   for (int i = 0; i < kQueryPairsPerThread; ++i) {
     const int pair = threadIdx.x + i * kMmaThreads;
     if (pair < kQueryPairs) qraw[i] = LoadQueryBlock(a, t, pair / kIndexScales, pair % kIndexScales);
   }
+  const TokenInfo ti = ReadToken(a, t);
+  constexpr int columns = TileColumns(kPairs);
+  const int64_t span = static_cast<int64_t>(columns) * tiles_per_warp * kTile;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * span;
+  if (!ti.ok || first >= ti.n) return;
   // warp 0: the weights' signs, for the fast form's tree (TreeSigns); read
   // again here (256 bytes), as gathering them from the pair threads would
   // need one more CTA barrier
