@@ -8,12 +8,26 @@
 # SANITIZE=1 also runs tools/sanitize.sh (compute-sanitizer memcheck and
 # racecheck over the kernel tests, a few minutes) after the tests;
 # SANITIZE=only builds and runs only that.
+# BUDGET_S (default 570: a device call is cut at 600 s) is the wall time the
+# script plans for: each benchmark stage after the tests starts only if the
+# time it usually takes is left, else it is named as skipped in the summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+T_START=$(date +%s)
+BUDGET_S=${BUDGET_S:-570}
+SKIPPED=()
+left() { echo $(( BUDGET_S - ($(date +%s) - T_START) )); }
+# fits NAME SECONDS: whether about SECONDS are left for stage NAME (else noted)
+fits() {
+  if [ "$(left)" -ge "$2" ]; then return 0; fi
+  echo "== $1: skipped ($(left) s of the budget left, it takes about $2)"
+  SKIPPED+=("$1")
+  return 1
+}
 
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -35,19 +49,25 @@ fi
 echo "== GPU tests"
 $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 test_rc=${PIPESTATUS[0]}
+# The indexer tests again under switches the kernels read once a process:
 # the mxfp4 score kernel's two shapes (PairWarps in cuda/indexer_topk.cu)
-# whatever the grid: the runs above take the one each grid gets
-for pairs in 0 1; do
-  echo "== indexer tests, DSV4_INDEXER_PAIRS=$pairs"
-  DSV4_INDEXER_PAIRS=$pairs $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
-    2>&1 | tee "$OUT/pytest_indexer_pairs$pairs.log" | tail -2
-  [ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
+# whatever the grid, and the select's sort where its ranking by bins
+# (RankSelect) would run. Three processes side by side on the one GPU (their
+# cases are small; no process takes the usual 75 % of its memory).
+echo "== indexer tests under DSV4_INDEXER_PAIRS=0, =1 and DSV4_SELECT_RANK=0, side by side"
+variants=("DSV4_INDEXER_PAIRS=0:pairs0" "DSV4_INDEXER_PAIRS=1:pairs1" "DSV4_SELECT_RANK=0:sort")
+pids=()
+for v in "${variants[@]}"; do
+  env "${v%%:*}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
+    >"$OUT/pytest_indexer_${v##*:}.log" 2>&1 &
+  pids+=($!)
 done
-# the select's sort, where its ranking by bins (RankSelect) would run
-echo "== indexer tests, DSV4_SELECT_RANK=0"
-DSV4_SELECT_RANK=0 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
-  2>&1 | tee "$OUT/pytest_indexer_sort.log" | tail -2
-[ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
+for i in "${!variants[@]}"; do
+  wait "${pids[$i]}"; rc=$?
+  echo "${variants[$i]%%:*}: $(tail -1 "$OUT/pytest_indexer_${variants[$i]##*:}.log")"
+  [ "$rc" -eq 0 ] || test_rc=1
+done
 
 sanitize_rc=0
 if [ -n "$SANITIZE" ] && [ "$SANITIZE" != 0 ]; then
@@ -56,28 +76,42 @@ if [ -n "$SANITIZE" ] && [ "$SANITIZE" != 0 ]; then
   sanitize_rc=$?
 fi
 
+# Benchmarks, most wanted first: the indexer's mxfp4 grid (issue 9's
+# target), the microbenchmark, the ops, then the indexer's bf16 rows.
 bench_rc=0
 if [ -z "${SKIP_BENCH:-}" ]; then
-  echo "== benchmarks"
-  if [ -z "${SKIP_OPS_BENCH:-}" ]; then
-    $PY benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
-    bench_rc=${PIPESTATUS[0]}
-  fi
-  echo "== indexer_topk benchmark"
-  $PY benchmarks/indexer.py --json "$OUT/indexer.json" ${INDEXER_BENCH_ARGS:-} 2>&1 \
-    | tee "$OUT/indexer.log" | tail -22
-  [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
-  echo "== tensor-core issue microbenchmark (benchmarks/tensor_issue.cu)"
-  if nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 benchmarks/tensor_issue.cu \
-      -o /tmp/tensor_issue >"$OUT/tensor_issue_build.log" 2>&1; then
-    /tmp/tensor_issue 2>&1 | tee "$OUT/tensor_issue.md" | tail -16
+  if fits "indexer_topk benchmark, mxfp4" 100; then
+    echo "== indexer_topk benchmark, mxfp4"
+    $PY benchmarks/indexer.py --json "$OUT/indexer.json" --q-formats mxfp4 ${INDEXER_BENCH_ARGS:-} \
+      2>&1 | tee "$OUT/indexer.log" | tail -14
     [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
-  else
-    tail -20 "$OUT/tensor_issue_build.log"; bench_rc=1
+  fi
+  if fits "tensor_issue.cu" 30; then
+    echo "== tensor-core issue microbenchmark (benchmarks/tensor_issue.cu)"
+    if nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 benchmarks/tensor_issue.cu \
+        -o /tmp/tensor_issue >"$OUT/tensor_issue_build.log" 2>&1; then
+      /tmp/tensor_issue >"$OUT/tensor_issue.md" 2>&1 || bench_rc=1
+      tail -3 "$OUT/tensor_issue.md"
+    else
+      tail -20 "$OUT/tensor_issue_build.log"; bench_rc=1
+    fi
+  fi
+  if [ -z "${SKIP_OPS_BENCH:-}" ] && fits "ops benchmark (benchmarks/run.py)" 150; then
+    echo "== ops benchmark"
+    $PY benchmarks/run.py --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+    [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+  fi
+  if fits "indexer_topk benchmark, bf16" 120; then
+    echo "== indexer_topk benchmark, bf16"
+    $PY benchmarks/indexer.py --json "$OUT/indexer_bf16.json" --q-formats bf16 ${INDEXER_BENCH_ARGS:-} \
+      2>&1 | tee "$OUT/indexer_bf16.log" | tail -14
+    [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
   fi
 fi
 
-echo "== summary"
+echo "== summary ($(( $(date +%s) - T_START )) s)"
 grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -1
+[ -f "$OUT/indexer.log" ] && grep -E "^ *(B|64) +(context|65536) " "$OUT/indexer.log" | tail -2
+[ "${#SKIPPED[@]}" -eq 0 ] || echo "skipped for time: ${SKIPPED[*]}"
 echo "tests rc=$test_rc sanitize rc=$sanitize_rc bench rc=$bench_rc"
 [ "$test_rc" -eq 0 ] && [ "$sanitize_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
