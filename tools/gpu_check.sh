@@ -3,7 +3,8 @@
 # benchmarks, print a short table last. Logs and JSON go to $OUT (or /tmp/gpu_out).
 #   device tool:  bash tools/gpu_check.sh
 # SKIP_BENCH=1 skips the benchmarks (ops, indexer_topk, tensor_issue.cu),
-# SKIP_OPS_BENCH=1 only benchmarks/run.py;
+# SKIP_OPS_BENCH=1 only benchmarks/run.py; SKIP_TESTS=1 skips the tests (a
+# call for the benchmarks the budget left out of a full one);
 # BENCH_ARGS / INDEXER_BENCH_ARGS / PYTEST_ARGS pass options through.
 # SANITIZE=1 also runs tools/sanitize.sh (compute-sanitizer memcheck and
 # racecheck over the kernel tests, a few minutes) after the tests;
@@ -46,28 +47,33 @@ if [ "$SANITIZE" = only ]; then
   exit $?
 fi
 
-echo "== GPU tests"
-$PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
-test_rc=${PIPESTATUS[0]}
-# The indexer tests again under switches the kernels read once a process:
-# the mxfp4 score kernel's two shapes (PairWarps in cuda/indexer_topk.cu)
-# whatever the grid, and the select's sort where its ranking by bins
-# (RankSelect) would run. Three processes side by side on the one GPU (their
-# cases are small; no process takes the usual 75 % of its memory).
-echo "== indexer tests under DSV4_INDEXER_PAIRS=0, =1 and DSV4_SELECT_RANK=0, side by side"
-variants=("DSV4_INDEXER_PAIRS=0:pairs0" "DSV4_INDEXER_PAIRS=1:pairs1" "DSV4_SELECT_RANK=0:sort")
-pids=()
-for v in "${variants[@]}"; do
-  env "${v%%:*}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
-    >"$OUT/pytest_indexer_${v##*:}.log" 2>&1 &
-  pids+=($!)
-done
-for i in "${!variants[@]}"; do
-  wait "${pids[$i]}"; rc=$?
-  echo "${variants[$i]%%:*}: $(tail -1 "$OUT/pytest_indexer_${variants[$i]##*:}.log")"
-  [ "$rc" -eq 0 ] || test_rc=1
-done
+test_rc=0
+if [ -n "${SKIP_TESTS:-}" ]; then
+  echo "== tests skipped (SKIP_TESTS)"; : >"$OUT/pytest_gpu.log"
+else
+  echo "== GPU tests"
+  $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  test_rc=${PIPESTATUS[0]}
+  # The indexer tests again under switches the kernels read once a process:
+  # the mxfp4 score kernel's two shapes (PairWarps in cuda/indexer_topk.cu)
+  # whatever the grid, and the select's sort where its ranking by bins
+  # (RankSelect) would run. Three processes side by side on the one GPU (their
+  # cases are small; no process takes the usual 75 % of its memory).
+  echo "== indexer tests under DSV4_INDEXER_PAIRS=0, =1 and DSV4_SELECT_RANK=0, side by side"
+  variants=("DSV4_INDEXER_PAIRS=0:pairs0" "DSV4_INDEXER_PAIRS=1:pairs1" "DSV4_SELECT_RANK=0:sort")
+  pids=()
+  for v in "${variants[@]}"; do
+    env "${v%%:*}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
+      >"$OUT/pytest_indexer_${v##*:}.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!variants[@]}"; do
+    wait "${pids[$i]}"; rc=$?
+    echo "${variants[$i]%%:*}: $(tail -1 "$OUT/pytest_indexer_${variants[$i]##*:}.log")"
+    [ "$rc" -eq 0 ] || test_rc=1
+  done
+fi
 
 sanitize_rc=0
 if [ -n "$SANITIZE" ] && [ "$SANITIZE" != 0 ]; then
