@@ -14,7 +14,12 @@
 //  - wgmma: each warpgroup issues 4 wgmma.m64n64k32.u8.s8 (A from registers,
 //    B from shared memory) a turn, then kPrmt permutes a thread, then waits
 //    for its group. Reported: cycles a turn, against the permutes' own time
-//    (4 warps a scheduler, 2 cycles a permute: the integer pipe is half rate).
+//    (4 warps a scheduler, 2 cycles a permute: the integer pipe is half rate;
+//    the "none" rows time the permutes alone).
+//  - wgmma with A from shared memory too, the permutes during the wgmmas or,
+//    "A stored first", before them, with A written, fenced and a warpgroup
+//    barrier in between (a decode feeding the tensor cores through shared
+//    memory).
 #include <cuda_runtime.h>
 
 #include <cstdio>
