@@ -1228,28 +1228,26 @@ __device__ unsigned long long SortOnePerThread(unsigned long long v, int kp,
 }
 static_assert(kSelectThreads == 1 << 10, "SortOnePerThread's cases");
 
-// How many of v[lo .. hi) are at most c (unsigned 64-bit), three
-// instructions each: c - v[j] as a borrow chain whose carry adds 1 when
-// c >= v[j].
+// How many of v[lo .. hi) are at most c (unsigned 64-bit). Four counters,
+// so that four comparisons are in flight at once: one count (or a borrow
+// chain through the one carry flag) makes every comparison wait for the
+// last, and a group's ranking is one thread's chain of these.
 __device__ __forceinline__ int CountAtMost(const unsigned long long* v, int lo, int hi,
                                            unsigned long long c) {
-  const uint32_t c_lo = static_cast<uint32_t>(c), c_hi = static_cast<uint32_t>(c >> 32);
-  uint32_t n = 0;
-  const auto step = [&](unsigned long long x) {
-    asm("{\n\t.reg .u32 t;\n\t"
-        "sub.cc.u32 t, %1, %2;\n\t"
-        "subc.cc.u32 t, %3, %4;\n\t"
-        "addc.u32 %0, %0, 0;\n\t}"
+  // a 64-bit compare and a predicated increment: three instructions each
+  const auto step = [&](uint32_t& n, unsigned long long x) {
+    asm("{\n\t.reg .pred p;\n\tsetp.le.u64 p, %1, %2;\n\t@p add.u32 %0, %0, 1;\n\t}"
         : "+r"(n)
-        : "r"(c_lo), "r"(static_cast<uint32_t>(x)), "r"(c_hi), "r"(static_cast<uint32_t>(x >> 32)));
+        : "l"(x), "l"(c));
   };
+  uint32_t n[4] = {0, 0, 0, 0};
   int j = lo;
   for (; j + 4 <= hi; j += 4) {
-    const unsigned long long x0 = v[j], x1 = v[j + 1], x2 = v[j + 2], x3 = v[j + 3];
-    step(x0), step(x1), step(x2), step(x3);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) step(n[u], v[j + u]);
   }
-  for (; j < hi; ++j) step(v[j]);
-  return static_cast<int>(n);
+  for (; j < hi; ++j) step(n[0], v[j]);
+  return static_cast<int>((n[0] + n[1]) + (n[2] + n[3]));
 }
 
 // The select's output without a sort: composites are distinct, so a key's
