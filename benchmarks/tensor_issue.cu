@@ -75,6 +75,33 @@ __device__ __forceinline__ unsigned long long Descriptor(unsigned addr) {
          (256ull >> 4) << 32;
 }
 
+// One wgmma.m64n64k32.u8.s8 adding into a thread's 32 accumulators d, B
+// from shared memory; A from registers (a) or shared memory (a_desc).
+#define DSV4_WGMMA_ACC                                                                         \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24," \
+  "%25,%26,%27,%28,%29,%30,%31}"
+#define DSV4_WGMMA_ACC_OPERANDS(d)                                                             \
+  "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), \
+      "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]),   \
+      "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), \
+      "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), \
+      "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+#define DSV4_WGMMA_HEAD "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 "
+
+__device__ __forceinline__ void WgmmaRegsA(unsigned (&d)[32], const unsigned (&a)[4],
+                                           unsigned long long b_desc) {
+  asm volatile(DSV4_WGMMA_HEAD DSV4_WGMMA_ACC ", {%32,%33,%34,%35}, %36, p;\n}\n"
+               : DSV4_WGMMA_ACC_OPERANDS(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+}
+
+__device__ __forceinline__ void WgmmaSharedA(unsigned (&d)[32], unsigned long long a_desc,
+                                             unsigned long long b_desc) {
+  asm volatile(DSV4_WGMMA_HEAD DSV4_WGMMA_ACC ", %32, %33, p;\n}\n"
+               : DSV4_WGMMA_ACC_OPERANDS(d)
+               : "l"(a_desc), "l"(b_desc));
+}
+
 template <int kPrmt>
 __global__ void __launch_bounds__(512, 1) Wgmma(int turns, unsigned* sink, long long* cycles) {
   __shared__ __align__(128) unsigned char b_s[4][4 * 2048];   // a warpgroup's 4 k-steps of B
@@ -89,18 +116,7 @@ __global__ void __launch_bounds__(512, 1) Wgmma(int turns, unsigned* sink, long 
   for (int turn = 0; turn < turns; ++turn) {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      asm volatile(
-          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-          "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 "
-          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
-          "%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p;\n}\n"
-          : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-            "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
-            "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]),
-            "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]),
-            "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(Descriptor(base + k * 2048)));
+    for (int k = 0; k < 4; ++k) WgmmaRegsA(d, a, Descriptor(base + k * 2048));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < kPrmt; ++k) Prmt(x[k % 8], turn);
@@ -147,17 +163,7 @@ __global__ void __launch_bounds__(512, 1) WgmmaSs(int turns, unsigned* sink, lon
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      asm volatile(
-          "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-          "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8 "
-          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
-          "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p;\n}\n"
-          : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-            "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
-            "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]),
-            "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]),
-            "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-          : "l"(Descriptor(a_base + k * 2048)), "l"(Descriptor(b_base + k * 2048)));
+      WgmmaSharedA(d, Descriptor(a_base + k * 2048), Descriptor(b_base + k * 2048));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     if (!kStore) {
 #pragma unroll
