@@ -30,6 +30,22 @@ __device__ __forceinline__ void Prmt(unsigned& x, unsigned y) {
   asm volatile("prmt.b32 %0, %0, %1, 0x3210;" : "+r"(x) : "r"(y));
 }
 
+// What every kernel leaves: a value of its registers (so the timed work is
+// not dropped) and each CTA's cycles of its timed loop.
+__device__ __forceinline__ void Report(unsigned value, long long loop_cycles, unsigned* sink,
+                                       long long* cycles) {
+  sink[blockIdx.x * blockDim.x + threadIdx.x] = value;
+  if (threadIdx.x == 0) cycles[blockIdx.x] = loop_cycles;
+}
+
+// The sum of a wgmma kernel's accumulators and permuted words.
+__device__ __forceinline__ unsigned WgmmaSum(const unsigned (&d)[32], const unsigned (&x)[8]) {
+  unsigned s = 0;
+  for (int i = 0; i < 32; ++i) s += d[i];
+  for (int i = 0; i < 8; ++i) s += x[i];
+  return s;
+}
+
 template <int kPrmt, int kFfma, bool kDistinct>
 __global__ void __launch_bounds__(512, 1) MmaSync(int turns, unsigned* sink, long long* cycles) {
   unsigned a[2][4], b[8][2], acc[8][4], x[8];
@@ -64,8 +80,7 @@ __global__ void __launch_bounds__(512, 1) MmaSync(int turns, unsigned* sink, lon
   const long long t1 = clock64();
   unsigned s = 0;
   for (int i = 0; i < 8; ++i) s += acc[i][0] + acc[i][1] + acc[i][2] + acc[i][3] + x[i] + __float_as_uint(f[i]);
-  sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
-  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+  Report(s, t1 - t0, sink, cycles);
 }
 
 // A shared-memory matrix descriptor without swizzle (the values read do not
@@ -123,11 +138,7 @@ __global__ void __launch_bounds__(512, 1) Wgmma(int turns, unsigned* sink, long 
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   }
   const long long t1 = clock64();
-  unsigned s = 0;
-  for (int i = 0; i < 32; ++i) s += d[i];
-  for (int i = 0; i < 8; ++i) s += x[i];
-  sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
-  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+  Report(WgmmaSum(d, x), t1 - t0, sink, cycles);
 }
 
 // Both operands from shared memory (wgmma "ss"): the tensor core then reads
@@ -172,11 +183,7 @@ __global__ void __launch_bounds__(512, 1) WgmmaSs(int turns, unsigned* sink, lon
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   }
   const long long t1 = clock64();
-  unsigned s = 0;
-  for (int i = 0; i < 32; ++i) s += d[i];
-  for (int i = 0; i < 8; ++i) s += x[i];
-  sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
-  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+  Report(WgmmaSum(d, x), t1 - t0, sink, cycles);
 }
 
 // The permutes alone, as the wgmma rows issue them: what "permutes alone"
@@ -193,8 +200,7 @@ __global__ void __launch_bounds__(512, 1) PermutesOnly(int turns, unsigned* sink
   const long long t1 = clock64();
   unsigned s = 0;
   for (int i = 0; i < 8; ++i) s += x[i];
-  sink[blockIdx.x * blockDim.x + threadIdx.x] = s;
-  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+  Report(s, t1 - t0, sink, cycles);
 }
 
 int g_sms = 0;

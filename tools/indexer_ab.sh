@@ -22,8 +22,9 @@ trace() {
   echo "[$1] B ctx = $2: $(python3 tools/indexer_trace.py $2 8 2>/dev/null \
     | grep -E 'Score.*median|one call' | tr '\n' ' ')"
 }
-build && cp "$(module)" /tmp/ab_base.so
-patch -s -p1 <"$PATCH" && build && cp "$(module)" /tmp/ab_new.so
+build && cp "$(module)" /tmp/ab_base.so || exit 1
+patch -s -p1 <"$PATCH" || { echo "PATCH does not apply: $PATCH"; exit 1; }
+build && cp "$(module)" /tmp/ab_new.so || exit 1
 if [ -n "${TESTS:-}" ]; then
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py 2>&1 | tail -2
 fi
