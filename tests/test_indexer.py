@@ -766,6 +766,28 @@ def test_sharded_equals_each_shard_alone(impl, q_format):
 
 @pytest.mark.parametrize("q_format", Q_FORMATS)
 @pytest.mark.parametrize("impl", IMPLS)
+def test_many_taken_keys_a_warp(impl, q_format):
+    """k = 3000 and 4096 (the CUDA handler's largest k) over 3100 to 4096
+    entries: most keys are taken, about 100 a warp of the CUDA select, where
+    the usual case takes one or two a round; with k = 4096 every candidate
+    is taken and the output ends in -1 padding."""
+    rng = np.random.default_rng(47)
+    st = make_state(rng, R=2, max_context=16384)
+    st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
+        [np.r_[b] for b in random_blocks(rng, st.config, range(2)).values()]).astype(np.int32)))
+    slot = np.array([0, 1, 0], np.int32)
+    pos = np.array([16000, 12399, 16383], np.int32)          # 4000, 3100, 4096 entries
+    q, w = queries(rng, 3)
+    want_all, _ = expected(st, 1, slot, pos, q, w, 4096, q_format)
+    for k in (3000, 4096):
+        got = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False,
+                             q_format=q_format))
+        np.testing.assert_array_equal(got, want_all[:, :k], err_msg=f"k={k}")
+    assert (want_all[1] >= 0).sum() == 3100 and np.all(want_all[2] >= 0)
+
+
+@pytest.mark.parametrize("q_format", Q_FORMATS)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_k_above_table_and_no_tokens(impl, q_format):
     """k larger than every possible entry (E = 128): visible ones first, then
     -1; an empty batch gives an empty result and counts only a bad layer."""
