@@ -770,7 +770,7 @@ def test_many_taken_keys_a_warp(impl, q_format):
     """k = 3000 and 4096 (the CUDA handler's largest k) over 3100 to 4096
     entries: most keys are taken, about 100 a warp of the CUDA select, where
     the usual case takes one or two a round; with k = 4096 every candidate
-    is taken and the output ends in -1 padding."""
+    is taken and the shorter tokens' rows end in -1."""
     rng = np.random.default_rng(47)
     st = make_state(rng, R=2, max_context=16384)
     st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
