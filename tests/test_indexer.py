@@ -53,6 +53,13 @@ def random_blocks(rng, cfg, slots):
     return {s: perm[i * MB:(i + 1) * MB] for i, s in enumerate(slots)}
 
 
+def with_random_blocks(rng, st, n_slots):
+    """`st` whose first `n_slots` slots own distinct random blocks, every
+    logical block of each (random_blocks)."""
+    bt = np.stack([np.r_[b] for b in random_blocks(rng, st.config, range(n_slots)).values()])
+    return dataclasses.replace(st, block_table=jnp.asarray(bt.astype(np.int32)))
+
+
 def queries(rng, T, qscale=1.0):
     q = (rng.standard_normal((T, 64, 128)) * qscale).astype(ml_dtypes.bfloat16)
     w = rng.standard_normal((T, 64)).astype(np.float32)
@@ -181,8 +188,7 @@ def workload(seed, k=40):
     and a token at position 0 (nothing visible)."""
     rng = np.random.default_rng(seed)
     st = make_state(rng, R=4, max_context=1024)
-    st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
-        [np.r_[b] for b in random_blocks(rng, st.config, range(4)).values()]).astype(np.int32)))
+    st = with_random_blocks(rng, st, 4)
     slot = np.array([0, 2, -1, 1, 3, 0, 2, 1], np.int32)
     pos = np.array([1023, 700, 5, 90, 0, 511, 130, 3], np.int32)
     q, w = queries(rng, len(slot))
@@ -579,8 +585,7 @@ def test_long_context_many_ties(impl, q_format):
     keys."""
     rng = np.random.default_rng(21)
     st = make_state(rng, R=2, max_context=8192)
-    st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
-        [np.r_[b] for b in random_blocks(rng, st.config, range(2)).values()]).astype(np.int32)))
+    st = with_random_blocks(rng, st, 2)
     tied = few_distinct_keys(rng, st)
     same = few_distinct_keys(rng, st, n_distinct=1)     # one key everywhere: one big tie
     slot = np.array([0, 1, 0, 1], np.int32)
@@ -606,8 +611,7 @@ def test_long_context_past_register_capacity(impl):
     buffer holds: the passes over all the keys)."""
     rng = np.random.default_rng(23)
     st = make_state(rng, R=2, max_context=131072)
-    st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
-        [np.r_[b] for b in random_blocks(rng, st.config, range(2)).values()]).astype(np.int32)))
+    st = with_random_blocks(rng, st, 2)
     slot = np.array([0, 1, 0, 1], np.int32)
     pos = np.array([131071, 69999, 65535, 65539], np.int32)
     q, w = queries(rng, 4)
@@ -773,8 +777,7 @@ def test_many_taken_keys_a_warp(impl, q_format):
     is taken and the shorter tokens' rows end in -1."""
     rng = np.random.default_rng(47)
     st = make_state(rng, R=2, max_context=16384)
-    st = dataclasses.replace(st, block_table=jnp.asarray(np.stack(
-        [np.r_[b] for b in random_blocks(rng, st.config, range(2)).values()]).astype(np.int32)))
+    st = with_random_blocks(rng, st, 2)
     slot = np.array([0, 1, 0], np.int32)
     pos = np.array([16000, 12399, 16383], np.int32)          # 4000, 3100, 4096 entries
     q, w = queries(rng, 3)
