@@ -6,6 +6,7 @@ reference.
     python benchmarks/run.py                       # everything for this platform
     python benchmarks/run.py --ops append,gather_window --rows 1,64,65536
     python benchmarks/run.py --json out.json --reps 30
+    python benchmarks/run.py --markdown out.json   # a saved run's tables, for RESULTS.md
 
 On a GPU the FFI impl is "cuda", on a CPU "cpu" (small sizes by default).
 
@@ -414,7 +415,13 @@ def main(argv=None):
     ap.add_argument("--with-reference", action="store_true",
                     help="also time the jnp reference per op (always done for the step)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", default=None, metavar="JSON",
+                    help="print a saved run's (--json) tables as markdown and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as fh:
+            print_markdown(json.load(fh)["rows"])
+        return
     b = Bench(args)
     ops = set(args.ops.split(","))
     print(f"device: {jax.devices()[0].device_kind} ({b.platform}), impl {b.impl}, "
@@ -461,6 +468,43 @@ def print_table(b):
         cp = f"{r['copy_pct']:.0f}" if "copy_pct" in r else ""
         ve = f"{r['vs_empty']:.2f}" if "vs_empty" in r else ""
         print(f"{r['op']:<18} {size:<16} {r['impl']:<9} {t:>10} {gb:>8} {cp:>6} {ve:>8}")
+
+
+COPY_TBPS = 3.0   # device-to-device copy rate of the lent H100s (KINDS.md), bytes read + written
+
+
+def size_label(r):
+    """The size column: rows and what made them, or the flush case."""
+    if "case" in r:
+        return r["case"] if f"T={r['T']}" in r["case"] else f"{r['case']} T={r['T']}"
+    made = ", ".join(f"{k}={r[k]}" for k in ("B", "T", "k", "E") if k in r)
+    return f"{r['rows']} rows" + (f" ({made})" if made else "")
+
+
+def print_markdown(rows):
+    """The per-op table and the decode-step table of benchmarks/RESULTS.md."""
+    print("| op | size | µs / call | GB/s | % of in-run XOR | % of 3.0 TB/s | × empty FFI call |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if r["op"] == "empty":
+            print(f"| empty FFI call | | {r['us']:.2f} | | | | 1.0 |")
+        elif "us" in r:
+            gb = f"{r['GBps']:.0f}" if "GBps" in r else ""
+            cp = f"{r['copy_pct']:.0f}" if "copy_pct" in r else ""
+            share = f"{r['GBps'] / (10 * COPY_TBPS):.0f}" if "GBps" in r else ""
+            print(f"| {r['op']} | {size_label(r)} | {r['us']:.2f} | {gb} | {cp} | {share} "
+                  f"| {r['vs_empty']:.1f} |")
+    steps = {}
+    for r in rows:
+        if r["op"] == "flash_decode_step":
+            steps.setdefault(r["B"], {}).update(
+                {r["impl"]: r["ms"]} if "impl" in r else {"speedup": r["speedup"]})
+    if steps:
+        print("\n| B | cuda ms/step | reference ms/step | speedup |")
+        print("|---:|---:|---:|---:|")
+        for B, v in sorted(steps.items()):
+            print(f"| {B} | {v.get('cuda', float('nan')):.3f} | "
+                  f"{v.get('reference', float('nan')):.3f} | {v.get('speedup', float('nan')):.1f}× |")
 
 
 if __name__ == "__main__":

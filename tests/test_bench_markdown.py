@@ -1,0 +1,40 @@
+"""benchmarks/run.py --markdown: a saved run's rows as RESULTS.md's tables."""
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_run():
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_markdown_tables_from_saved_rows(tmp_path, capsys):
+    rows = [
+        {"op": "empty", "what": "empty FFI call", "us": 2.0},
+        {"op": "gather_topk", "rows": 4096, "us": 25.0, "GBps": 1500.0, "copy_pct": 80.4,
+         "vs_empty": 12.5, "impl": "cuda", "fmt": "ds_fp8", "T": 8, "k": 512},
+        {"op": "flush_csa", "case": "decode B=8", "T": 8, "us": 13.0, "impl": "cuda",
+         "fmt": "ds_fp8", "vs_empty": 6.5},
+        {"op": "flush_hca", "case": "prefill T=4096", "T": 4096, "us": 2700.0, "impl": "cuda",
+         "fmt": "ds_fp8", "vs_empty": 1350.0},
+        {"op": "flash_decode_step", "B": 8, "ctx": 4096, "impl": "cuda", "ms": 2.5,
+         "first_call_s": 0.4, "fmt": "ds_fp8"},
+        {"op": "flash_decode_step", "B": 8, "ctx": 4096, "impl": "reference", "ms": 5.25,
+         "first_call_s": 6.0, "fmt": "ds_fp8"},
+        {"op": "flash_decode_step", "B": 8, "ctx": 4096, "speedup": 2.1},
+    ]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"device": "x", "platform": "gpu", "jax": "0", "rows": rows}))
+    load_run().main(["--markdown", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert "| empty FFI call | | 2.00 | | | | 1.0 |" in lines
+    # 1500 GB/s is 50 % of the 3.0 TB/s copy rate
+    assert "| gather_topk | 4096 rows (T=8, k=512) | 25.00 | 1500 | 80 | 50 | 12.5 |" in lines
+    assert "| flush_csa | decode B=8 T=8 | 13.00 |  |  |  | 6.5 |" in lines
+    assert "| flush_hca | prefill T=4096 | 2700.00 |  |  |  | 1350.0 |" in lines
+    assert "| 8 | 2.500 | 5.250 | 2.1× |" in lines
