@@ -8,12 +8,14 @@ token batch that does
       append                        the step's KV rows into the sliding window
       flush          (CSA / HCA)    compressor projections -> compressed entries
       gather_window                 the last 128 entries of each request
+      indexer_topk   (CSA)          the lightning indexer's top-k entries
       gather_topk    (CSA)          the entries the indexer picked
       gather_all     (HCA)          every compressed entry
       attention                     window + compressed entries + attention sink
 
 Weights are random and small (4 query heads, a 128-wide hidden state, the
-tiny 4-layer pattern SWA, CSA, HCA, CSA). To stay short, every layer reads the
+tiny 4-layer pattern SWA, CSA, HCA, CSA; the indexer has the real 64 heads
+of 128 channels, which indexer_topk expects). To stay short, every layer reads the
 same token embeddings instead of a residual stream, so prefill only has to
 write the cache (a real model also needs the prompt's attention outputs to
 feed the next layer).
@@ -31,12 +33,11 @@ import numpy as np
 
 import dsv4_jax as dj
 from dsv4_jax import config as C
-from dsv4_jax.reference.quant import dequantize_mxfp4
 
 D = C.HEAD_DIM          # 512: one KV head, K = V
 HIDDEN = 128            # toy hidden size
 HEADS = 4               # query heads
-INDEX_HEADS = 4         # indexer heads (64 in the real model)
+INDEX_HEADS = C.INDEX_HEADS   # indexer heads: 64, as in the real model
 
 
 @dataclasses.dataclass
@@ -115,25 +116,15 @@ def write_cache(state, meta, x, weights, params, layer):
 
 
 def indexer_topk(state, layer, meta, x, w, k):
-    """Lightning-indexer scores sum_h w_h relu(q_h . key_j) over every visible
-    CSA entry of each token's request, and the top k of them (-1 where fewer
-    are visible). The library has no gather for indexer keys: the model reads
-    the MXFP4 pool through the block table itself."""
-    cfg = state.config
-    j = cfg.kind_index(layer, C.CSA)
-    slot = jnp.clip(meta.token_slot, 0, cfg.max_requests - 1)
-    blocks = jnp.clip(state.block_table[slot], 0, cfg.num_blocks - 1)          # [T, MB]
-    packed = state.csa.index.packed[j][blocks]                                  # [T, MB, 32, 64]
-    scale = state.csa.index.scale[j][blocks]
-    keys = dequantize_mxfp4(packed, scale).reshape(x.shape[0], -1, C.INDEX_DIM)  # [T, E, 128]
+    """The indexer's query (projected, then the Hadamard rotation; a real
+    model ropes its last 64 channels first) and head weights, and the k
+    visible CSA entries of each token's request with the best scores
+    sum_h w_h relu(q_h . key_j), -1 where fewer are visible. indexer_topk
+    rounds q to MXFP4 as DeepSeek-V4's inference code does and reads the
+    MXFP4 keys through the block table itself."""
     q = jnp.einsum("td,dhc->thc", x, w["wi_q"]) @ jnp.asarray(hadamard(), jnp.float32)
-    scores = jnp.einsum("th,the->te", x @ w["wi_w"],
-                        jax.nn.relu(jnp.einsum("thc,tec->the", q, keys)))
-    visible = jnp.arange(keys.shape[1])[None, :] < ((meta.token_pos + 1) // C.CSA_RATIO)[:, None]
-    visible &= (meta.token_slot >= 0)[:, None]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    top, idx = jax.lax.top_k(scores, k)
-    return jnp.where(top > -jnp.inf, idx, -1).astype(jnp.int32)
+    return dj.indexer_topk(state, layer, meta.token_slot, meta.token_pos,
+                           q.astype(jnp.bfloat16), x @ w["wi_w"], k)
 
 
 def attention(q, kv, ok, sink):

@@ -42,8 +42,11 @@ def dense_attention(q, keys, sink):
 
 
 def indexer_scores(x_t, w, ikeys):
+    """The indexer's scores with its query rounded to bf16, then to MXFP4
+    (what DeepSeek-V4's inference code scores and indexer_topk's default)."""
     q = np.einsum("d,dhc->hc", x_t, w["wi_q"].astype(np.float64)) @ O.hadamard_matrix() \
         / math.sqrt(C.INDEX_DIM)
+    q = O.decode_mxfp4(O.encode_mxfp4(O.to_bf16(q)))
     return (x_t @ w["wi_w"].astype(np.float64)) @ np.maximum(q @ ikeys.T, 0)
 
 
@@ -80,6 +83,9 @@ def test_decode_loop_matches_dense_numpy_attention(kv_format):
                 tol = 1e-3 * np.abs(scores).max()
                 if len(rest):
                     assert scores[chosen].min() >= scores[rest].max() - tol
+                    srt = np.sort(scores)[::-1]
+                    if srt[k - 1] - srt[k] > tol:   # a clear boundary: the exact set
+                        assert set(chosen) == set(np.argsort(-scores)[:k])
                 checked_picks += len(rest) > 0
                 keys.append(stored(ent[chosen], kv_format))
             elif kind == C.HCA:

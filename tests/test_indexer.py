@@ -313,8 +313,8 @@ def test_bad_traced_layer(impl):
     assert np.all(np.asarray(got) == -1)
     err = np.asarray(st2.errors)
     assert err[EK.BAD_LAYER] == 1 and err.sum() == 1
-    got, st2 = f(st, jnp.int32(3))
-    want, _ = expected(st, 3, [0, 0], [100, 200], q, w, 8)
+    got, st2 = f(st, jnp.int32(3))          # the default q_format
+    want, _ = expected(st, 3, [0, 0], [100, 200], q, w, 8, "mxfp4")
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -328,6 +328,41 @@ def test_feeds_gather_topk(impl):
     np.testing.assert_array_equal(np.asarray(valid), np.asarray(idx) >= 0)
     assert not np.any(np.asarray(st3.errors))
     assert np.asarray(valid).sum() > 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_default_q_format_is_the_official_fp4_simulation(impl):
+    """Without q_format the op rounds q to MXFP4 (DeepSeek-V4's inference
+    code runs fp4_act_quant(q, 32, inplace=True) before scoring): the same
+    indices as q_format="mxfp4", and not those of "bf16" on this workload
+    (so the comparison can tell the two apart)."""
+    st, slot, pos, q, w, k = workload(4)
+    args = (jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q), jnp.asarray(w))
+    got = np.asarray(jax.jit(lambda st, *a: D.indexer_topk(st, 1, *a, k, impl=impl))(st, *args))
+    want, _ = expected(st, 1, slot, pos, q, w, k, "mxfp4")
+    np.testing.assert_array_equal(got, want)
+    unrounded, _ = expected(st, 1, slot, pos, q, w, k, "bf16")
+    assert np.any(got != unrounded)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mxfp4_idempotent_on_a_simulated_query(impl):
+    """A model that ran the FP4 simulation itself passes q already on the
+    MXFP4 grid (as bf16, what fp4_act_quant(..., inplace=True) returns):
+    rounding it again changes no value, so the indices equal those of the
+    raw q. Blocks whose largest code is 3 or 4 come back with half the
+    scale and twice the codes; the scores must not care."""
+    st, slot, pos, q, w, k = workload(6)
+    simulated, scale = npq.mxfp4_roundtrip(np.asarray(q, np.float32))
+    sim_bf16 = simulated.astype(ml_dtypes.bfloat16)
+    assert np.array_equal(sim_bf16.astype(np.float32), simulated)     # exact in bf16
+    assert not np.array_equal(sim_bf16, q)
+    rescaled = npq.mxfp4_roundtrip(simulated)[1] != scale
+    assert rescaled.any() and not rescaled.all()      # both kinds of block are here
+    raw = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False, q_format="mxfp4"))
+    again = np.asarray(run(st, 1, slot, pos, sim_bf16, w, k, impl, return_state=False,
+                           q_format="mxfp4"))
+    np.testing.assert_array_equal(again, raw)
 
 
 def test_trace_time_checks():

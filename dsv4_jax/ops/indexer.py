@@ -37,11 +37,17 @@ flushing of subnormals (a backend that flushes them may differ on keys with
 scale byte 0, which the quantizer never writes). For ranking, a NaN score
 counts as -inf and -0 as +0.
 
-q_format="bf16" (the default) takes q as given. q_format="mxfp4" first
-rounds every (head, 32-channel block) of q to MXFP4 exactly as a key block is
-rounded (amax floor 6 * 2^-126, scale = smallest power of two >= amax / 6,
-e2m1 codes): the FP4 query that issue 9 says the official inference code
-simulates (not checked against that code here). Then (dsv4/indexer.h):
+q_format="mxfp4" (the default) first rounds every (head, 32-channel block)
+of q to MXFP4 exactly as a key block is rounded (amax floor 6 * 2^-126,
+scale = smallest power of two >= amax / 6, e2m1 codes, ties to even). That
+is what DeepSeek-V4's official inference code does to the indexer query
+after RoPE and the Hadamard rotation (Indexer.forward: "use fp4 simulation
+for q and kv in indexer", fp4_act_quant(q, 32, inplace=True), whose kernel
+floors amax at 6 * 2^-126 and rounds the scale up to a power of two), so
+pass q as the model has it just before that call. The rounding is
+idempotent in value: a q already on the MXFP4 grid (a model that ran the
+simulation itself) gives the same indices. q_format="bf16" scores q as
+given, for models that skip the simulation. For "mxfp4" (dsv4/indexer.h):
   S[b]  = sum_j q2[h, 32b+j] * k2[32b+j]   integers (twice each e2m1 value),
                                           exact in any order
   u[b]  = fl(S[b] * 2^(key scale byte - 127))
@@ -95,12 +101,12 @@ QUERY_SCRATCH_BYTES = (2 * C.INDEX_HEADS * C.INDEX_DIM + 4 * C.INDEX_HEADS * C.I
 
 
 def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
-                 q: jax.Array, weights: jax.Array, k: int, *, q_format: str = "bf16",
+                 q: jax.Array, weights: jax.Array, k: int, *, q_format: str = "mxfp4",
                  impl: str = "auto", return_state: bool = False):
     """Top-k CSA entries per query token by indexer score: indices i32[T, k]
-    (-1 padded), best first. `q_format`: "bf16" scores q as given, "mxfp4"
-    rounds it to MXFP4 first (exact block sums; the fast path on the GPU).
-    See the module docstring for the rules."""
+    (-1 padded), best first. `q_format`: "mxfp4" (default) rounds q to MXFP4
+    first, as DeepSeek-V4's inference code does (exact block sums; the fast
+    path on the GPU); "bf16" scores q as given. See the module docstring."""
     check_state(state)
     cfg = state.config
     check_array("token_slot", token_slot, (None,), _I32)

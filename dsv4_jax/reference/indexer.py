@@ -93,7 +93,7 @@ def rank_keys(score):
 
 
 def indexer_topk(state: CacheState, kind_idx, token_slot, token_pos, q, weights, k: int,
-                 q_format: str = "bf16"):
+                 q_format: str = "mxfp4"):
     """indices i32[T, k], errors. See dsv4_jax/ops/indexer.py."""
     cfg = state.config
     R, MB, N = cfg.max_requests, cfg.max_blocks_per_request, cfg.num_blocks
