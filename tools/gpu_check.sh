@@ -54,6 +54,12 @@ else
   echo "== GPU tests"
   $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   test_rc=${PIPESTATUS[0]}
+  # The example and the README's step are not marked gpu (CI runs them on the
+  # CPU); here impl="auto" takes every op's CUDA kernel end to end.
+  echo "== examples/decode_loop.py and the README's step on the GPU"
+  $PY -m pytest -q -p no:cacheprovider tests/test_example.py tests/test_readme.py 2>&1 \
+    | tee "$OUT/pytest_example.log" | tail -1
+  [ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
   # The indexer tests again under switches the kernels read once a process:
   # the mxfp4 score kernel's two shapes (PairWarps in cuda/indexer_topk.cu)
   # whatever the grid, and the select's sort where its ranking by bins
