@@ -168,9 +168,10 @@ def expected(st, layer, slot, pos, q, w, k, q_format="bf16"):
 
 
 def run(st, layer, slot, pos, q, w, k, impl, return_state=True, q_format="bf16"):
+    """q_format=None leaves it to the op's default."""
+    fmt = {} if q_format is None else {"q_format": q_format}
     f = jax.jit(lambda st, s, p, q, w: D.indexer_topk(st, layer, s, p, q, w, k, impl=impl,
-                                                      q_format=q_format,
-                                                      return_state=return_state))
+                                                      return_state=return_state, **fmt))
     return f(st, jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(q),
              jnp.asarray(w))
 
@@ -337,8 +338,7 @@ def test_default_q_format_is_the_official_fp4_simulation(impl):
     indices as q_format="mxfp4", and not those of "bf16" on this workload
     (so the comparison can tell the two apart)."""
     st, slot, pos, q, w, k = workload(4)
-    args = (jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q), jnp.asarray(w))
-    got = np.asarray(jax.jit(lambda st, *a: D.indexer_topk(st, 1, *a, k, impl=impl))(st, *args))
+    got = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False, q_format=None))
     want, _ = expected(st, 1, slot, pos, q, w, k, "mxfp4")
     np.testing.assert_array_equal(got, want)
     unrounded, _ = expected(st, 1, slot, pos, q, w, k, "bf16")
