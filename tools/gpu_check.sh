@@ -2,7 +2,7 @@
 # One call on the GPU machine: build the CUDA module, run the GPU tests and the
 # benchmarks, print a short table last. Logs and JSON go to $OUT (or /tmp/gpu_out).
 #   device tool:  bash tools/gpu_check.sh
-# SKIP_BENCH=1 skips the benchmarks (ops, indexer_topk, tensor_issue.cu),
+# SKIP_BENCH=1 skips the benchmarks (ops, indexer_topk in mxfp4 and bf16),
 # SKIP_OPS_BENCH=1 only benchmarks/run.py; SKIP_TESTS=1 skips the tests (a
 # call for the benchmarks the budget left out of a full one);
 # BENCH_ARGS / INDEXER_BENCH_ARGS / PYTEST_ARGS pass options through.
@@ -88,8 +88,8 @@ if [ -n "$SANITIZE" ] && [ "$SANITIZE" != 0 ]; then
   sanitize_rc=$?
 fi
 
-# Benchmarks, most wanted first: the indexer's mxfp4 grid (issue 9's
-# target), the microbenchmark, the ops, then the indexer's bf16 rows.
+# Benchmarks, most wanted first: the indexer's mxfp4 grid (its default query
+# format), the ops, then the indexer's bf16 rows.
 bench_rc=0
 if [ -z "${SKIP_BENCH:-}" ]; then
   if fits "indexer_topk benchmark, mxfp4" 100; then
@@ -97,16 +97,6 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     $PY benchmarks/indexer.py --json "$OUT/indexer.json" --q-formats mxfp4 ${INDEXER_BENCH_ARGS:-} \
       2>&1 | tee "$OUT/indexer.log" | tail -14
     [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
-  fi
-  if fits "tensor_issue.cu" 30; then
-    echo "== tensor-core issue microbenchmark (benchmarks/tensor_issue.cu)"
-    if nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 benchmarks/tensor_issue.cu \
-        -o /tmp/tensor_issue >"$OUT/tensor_issue_build.log" 2>&1; then
-      /tmp/tensor_issue >"$OUT/tensor_issue.md" 2>&1 || bench_rc=1
-      tail -3 "$OUT/tensor_issue.md"
-    else
-      tail -20 "$OUT/tensor_issue_build.log"; bench_rc=1
-    fi
   fi
   if [ -z "${SKIP_OPS_BENCH:-}" ] && fits "ops benchmark (benchmarks/run.py)" 150; then
     echo "== ops benchmark"
