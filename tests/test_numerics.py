@@ -4,7 +4,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-num = pytest.importorskip("dsv4_jax._dsv4_cpu").numerics
+from dsv4_jax import _ffi
+
+num = pytest.importorskip("dsv4_jax._dsv4_testing_cpu",
+                          reason=f"test-only module not built ({_ffi.TESTING_BUILD})").numerics
 
 F32, U8 = np.float32, np.uint8
 E4M3, E8M0, E2M1, BF16 = (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e8m0fnu,

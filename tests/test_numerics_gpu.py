@@ -6,22 +6,25 @@ stored bf16 value by one code where it sits on a rounding boundary."""
 import numpy as np
 import pytest
 
+from dsv4_jax import _ffi
+
 pytestmark = pytest.mark.gpu
 
-cpu = pytest.importorskip("dsv4_jax._dsv4_cpu").numerics
+cpu = pytest.importorskip("dsv4_jax._dsv4_testing_cpu",
+                          reason=f"test-only module not built ({_ffi.TESTING_BUILD})").numerics
 
 
 @pytest.fixture(scope="module")
 def gpu():
     try:
-        from dsv4_jax import _dsv4_cuda
+        from dsv4_jax import _dsv4_testing_cuda
     except ImportError as e:
-        pytest.skip(f"_dsv4_cuda not built: {e}")
+        pytest.skip(f"_dsv4_testing_cuda not built ({_ffi.TESTING_BUILD}, nvcc found): {e}")
     try:
-        _dsv4_cuda.numerics.bf16_bits(np.zeros(1, np.float32), np.zeros(1, np.uint16))
+        _dsv4_testing_cuda.numerics.bf16_bits(np.zeros(1, np.float32), np.zeros(1, np.uint16))
     except RuntimeError as e:
         pytest.skip(f"no usable GPU: {e}")
-    return _dsv4_cuda.numerics
+    return _dsv4_testing_cuda.numerics
 
 
 rng = np.random.default_rng(11)

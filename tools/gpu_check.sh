@@ -35,11 +35,16 @@ fits() {
 
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-echo "== build (no package index there: no build isolation, no deps)"
+echo "== build (no package index there: no build isolation, no deps; with the testing modules)"
 t0=$(date +%s)
-if ! $PY -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+# (--config-settings, not -C: pip before 23.1 lacks the short form)
+if ! $PY -m pip install -q --no-build-isolation --no-deps -e . \
+    --config-settings=cmake.define.DSV4_BUILD_TESTING=ON >"$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
+# the numerics probes and dsv4_noop: without them GPU tests would skip
+(cd /tmp && $PY -c "import dsv4_jax._dsv4_testing_cuda") \
+  || { echo "BUILD FAILED: no _dsv4_testing_cuda"; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s"
 (cd /tmp && $PY -m dsv4_jax info)
 
