@@ -86,12 +86,7 @@ inline int EnvSwitch(const char* name) {
 // stream is still running (programmatic dependent launch, sm_90): its CTAs
 // do what needs nothing of that kernel, then WaitForPrevious(). Without the
 // feature (older devices, or a launch that refuses the attribute) it is an
-// ordinary launch: WaitForPrevious() then returns at once. DSV4_OVERLAP=0
-// (read once) makes every such launch ordinary, for comparisons.
-inline bool OverlapLaunches() {
-  static const bool on = EnvSwitch("DSV4_OVERLAP") != 0;
-  return on;
-}
+// ordinary launch: WaitForPrevious() then returns at once.
 // `cluster_x` > 1 groups that many consecutive CTAs (along x) into a
 // thread-block cluster, with or without the overlap.
 template <typename... Params, typename... Args>
@@ -112,15 +107,13 @@ cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, s
     ++n;
   }
   const int plain = n;                            // the attributes without the overlap
-  if (OverlapLaunches()) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
+  attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[n].val.programmaticStreamSerializationAllowed = 1;
+  ++n;
   cfg.attrs = attr;
   cfg.numAttrs = n;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
-  if (err == cudaSuccess || n == plain) return err;
+  if (err == cudaSuccess) return err;
   (void)cudaGetLastError();                       // clear it, then without the overlap
   cfg.numAttrs = plain;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
