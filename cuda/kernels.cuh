@@ -16,7 +16,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "dsv4/entries.h"
@@ -72,14 +71,6 @@ inline unsigned GridFor(int64_t work, int per_block, int waves) {
   if (want > cap) want = cap;
   if (want < 1) want = 1;
   return static_cast<unsigned>(want);
-}
-
-// A comparison switch from the environment: 0 or 1 where the variable is
-// exactly "0" or "1", else -1 (unset or anything else: the default).
-// Callers read it once (a static), as their launches are hot.
-inline int EnvSwitch(const char* name) {
-  const char* v = std::getenv(name);
-  return v && (v[0] == '0' || v[0] == '1') && v[1] == '\0' ? v[0] - '0' : -1;
 }
 
 // Launches `kernel` so that it may start while the kernel before it on the
