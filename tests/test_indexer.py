@@ -709,9 +709,10 @@ def test_select_spread_over_a_cluster(impl, max_context):
     each counting its chunk of the keys and handing the leader its
     candidates. Every path of it: random keys (small top-bits bins: ranks
     within bins), six tie groups (a bin past the ranking's limit: radix
-    passes over the bin's keys), one key everywhere (a bin larger than the
-    buffer: the leader's passes over all the keys; at 999 entries a bin that
-    fits the gather, and with k = 1500 every candidate taken, both sorted);
+    passes over the bin's keys, at 1M over all the keys), one key everywhere
+    (a bin larger than the buffer: the leader's passes over all the keys; at
+    999 entries a bin that fits the gather, and with k = 1500 every
+    candidate taken, both sorted);
     k = 512 and 1500 (the shared-memory sort); a token with fewer
     candidates than k (all taken), one with fewer entries than CTAs, a
     padding token, and a missing block (counted once a token that needs
