@@ -535,6 +535,46 @@ def test_handler_scores_bit_exact(impl, q_format):
         np.testing.assert_array_equal(scratch[t, :len(want)], want)
 
 
+@pytest.mark.parametrize("q_format", Q_FORMATS)
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
+                                  pytest.param("cuda", marks=CUDA)])
+def test_handler_scores_bit_exact_on_a_full_grid(impl, q_format):
+    """As above on a grid past the small-grid kernel shapes: 32 tokens over
+    2048 entries. On CUDA that takes the one-thread "bf16" score kernel
+    (T * E above kSplitMaxWork) and the "mxfp4" kernel with one warp a tile
+    column (its 256 CTAs in pairs would pass one wave on any GPU of up to 256
+    multiprocessors; cuda/indexer_topk/launch_policy.h). Even physical
+    blocks hold keys the fast form takes (scale bytes 125..128), the others a
+    wider spread (per-block tiles), one in eight bytes 228..240 (past 231:
+    subtract, then multiply); one token's query lies outside the fast form's
+    guards (a head whose block scales spread by 5)."""
+    rng = np.random.default_rng(53)
+    st = with_random_blocks(rng, make_state(rng, R=2, max_context=8192), 2)
+    scale = rng.integers(119, 132, np.asarray(st.csa.index.scale).shape, dtype=np.uint8)
+    scale[:, 0::2] = rng.integers(125, 129, scale[:, 0::2].shape)
+    scale[:, 1::8] = rng.integers(228, 241, scale[:, 1::8].shape)
+    st = with_index_keys(st, scale=scale)
+    T, E = 32, st.config.max_blocks_per_request * 32
+    used = scale[1][np.asarray(st.block_table).ravel()].astype(np.int64)   # [blocks, 32, 4]
+    fast_tile = key_fast(used).all(-1)
+    assert 0 < fast_tile.mean() < 1 and (used > 231).any()
+    if impl == "cuda":
+        sms = getattr(jax.devices("cuda")[0], "core_count", 0)
+        assert T * E > 16384 and T * (E // 256) > sms
+    slot = np.arange(T, dtype=np.int32) % 2
+    pos = rng.integers(0, 8192, T).astype(np.int32)
+    pos[:4] = 8191
+    q, w = queries(rng, T)
+    q = np.asarray(q, np.float32)
+    q[5, 9, 64:96] *= 32.0
+    q = q.astype(ml_dtypes.bfloat16)
+    scratch = handler_scratch(impl, st, slot, pos, q, w, q_format)
+    with np.errstate(over="ignore", invalid="ignore"):
+        wants = replay_rank_keys(st, slot, pos, q, w, q_format)
+    for t, want in enumerate(wants):
+        np.testing.assert_array_equal(scratch[t, :len(want)], want, err_msg=f"token {t}")
+
+
 def key_fast(sbytes):
     """The key guard of the fast form (dsv4/indexer.h), per entry."""
     m = sbytes.min(-1)
@@ -664,12 +704,16 @@ def test_long_context_past_register_capacity(impl):
                                   pytest.param("cuda", marks=CUDA)])
 def test_select_spread_over_a_cluster(impl, max_context):
     """Past 16384 visible entries a token's CUDA select spreads over a
-    cluster of CTAs (SelectCtas in cuda/indexer_topk.cu: 4 here at 65536
-    entries, 8 at 262144, whose chunks exceed a CTA's registers), each counting
-    its chunk of the keys and handing the leader its candidates. Every path
-    of it: random keys (a small top-bits bin), six tie groups, one key
-    everywhere (a bin larger than the buffer: the leader's passes over all
-    the keys); k = 512 and 1500 (the shared-memory sort); a token with fewer
+    cluster of CTAs (SelectCtas in cuda/indexer_topk/launch_policy.h: 4 here
+    at 65536 entries, 8 at 262144, whose chunks exceed a CTA's registers),
+    each counting its chunk of the keys and handing the leader its
+    candidates. Every path of it: random keys (small top-bits bins: ranks
+    within bins), six tie groups (a bin past the ranking's limit: radix
+    passes over the bin's keys, at 1M over all the keys), one key everywhere
+    (a bin larger than the buffer: the leader's passes over all the keys; at
+    999 entries a bin that fits the gather, and with k = 1500 every
+    candidate taken, both sorted);
+    k = 512 and 1500 (the shared-memory sort); a token with fewer
     candidates than k (all taken), one with fewer entries than CTAs, a
     padding token, and a missing block (counted once a token that needs
     it, by the score kernel in "mxfp4" and by the select's leader in
@@ -683,13 +727,13 @@ def test_select_spread_over_a_cluster(impl, max_context):
     bt[1, MB // 2 + 1] = -1                    # slot 1: a missing block past its middle
     st = dataclasses.replace(st, block_table=jnp.asarray(bt.astype(np.int32)))
     slot = np.array([0, 1, 0, -1, 1, 0], np.int32)
-    pos = np.array([max_context - 1, max_context - 1, 9, 100, max_context // 2 + 200, 1999],
+    pos = np.array([max_context - 1, max_context - 1, 9, 100, max_context // 2 + 200, 3999],
                    np.int32)
     missing = sum(1 for s, p in zip(slot, pos)
                   if s == 1 and visible(int(p), MB) > (MB // 2 + 1) * 32)
     q, w = queries(rng, len(slot))
     for state, ks in ((st, (512, 1500)), (few_distinct_keys(rng, st), (512,)),
-                      (few_distinct_keys(rng, st, n_distinct=1), (512,))):
+                      (few_distinct_keys(rng, st, n_distinct=1), (512, 1500))):
         want_all, _ = expected(state, 1, slot, pos, q, w, max(ks), "mxfp4")
         for k in ks:
             got, st2 = run(state, 1, slot, pos, q, w, k, impl, q_format="mxfp4")
@@ -809,19 +853,23 @@ def test_many_taken_keys_a_warp(impl, q_format):
     """k = 3000 and 4096 (the CUDA handler's largest k) over 3100 to 4096
     entries: most keys are taken, about 100 a warp of the CUDA select, where
     the usual case takes one or two a round; with k = 4096 every candidate
-    is taken and the shorter tokens' rows end in -1."""
+    is taken and the shorter tokens' rows end in -1. Random keys, and one
+    key everywhere: a single tie of 3100 to 4096 keys, more than the CUDA
+    select ranks within a bin, so its radix passes and its bitonic sort in
+    shared memory order them (k = 4096: the sort of every candidate)."""
     rng = np.random.default_rng(47)
     st = make_state(rng, R=2, max_context=16384)
     st = with_random_blocks(rng, st, 2)
     slot = np.array([0, 1, 0], np.int32)
     pos = np.array([16000, 12399, 16383], np.int32)          # 4000, 3100, 4096 entries
     q, w = queries(rng, 3)
-    want_all, _ = expected(st, 1, slot, pos, q, w, 4096, q_format)
-    for k in (3000, 4096):
-        got = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False,
-                             q_format=q_format))
-        np.testing.assert_array_equal(got, want_all[:, :k], err_msg=f"k={k}")
-    assert (want_all[1] >= 0).sum() == 3100 and np.all(want_all[2] >= 0)
+    for state in (st, few_distinct_keys(rng, st, n_distinct=1)):
+        want_all, _ = expected(state, 1, slot, pos, q, w, 4096, q_format)
+        for k in (3000, 4096):
+            got = np.asarray(run(state, 1, slot, pos, q, w, k, impl, return_state=False,
+                                 q_format=q_format))
+            np.testing.assert_array_equal(got, want_all[:, :k], err_msg=f"k={k}")
+        assert (want_all[1] >= 0).sum() == 3100 and np.all(want_all[2] >= 0)
 
 
 @pytest.mark.parametrize("q_format", Q_FORMATS)

@@ -62,9 +62,12 @@ MEMCHECK_ARGS=(tests/test_numerics_gpu.py tests/test_apply_step.py tests/test_cu
                tests/test_indexer.py
                --deselect "tests/test_cuda_replay.py::test_replay_equals_reference_and_repeats[ds_fp8-100]")
 # shared-memory kernels: append and flush (CSA and HCA, bad rows among good
-# ones), indexer_topk (8 tiles a warp in the 2048-entry case, so every warp
-# wraps its ring of 4 cp.async stages; its select in clusters of 4 CTAs at
-# 65536 entries, handing keys over through distributed shared memory)
+# ones), indexer_topk (its mxfp4 score kernel in pairs of warps on the small
+# grids, one warp a tile column on the full grid of
+# handler_scores_bit_exact_on_a_full_grid, and several tiles a warp at 65536
+# entries, 6 on an H100, so every warp wraps its ring of 2 cp.async stages;
+# its select in clusters of 4 CTAs there, handing keys over through
+# distributed shared memory)
 RACECHECK_ARGS=(tests/test_cuda_replay.py tests/test_indexer.py
                 -k "bad_rows_dropped_and_counted or handler_scores_bit_exact or long_context_many_ties or (select_spread_over_a_cluster and 262144)")
 
@@ -101,8 +104,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
   # process of the run (marked in its environment) is ended at the limit and
   # after the sanitizer exits.
   run_id="$$-$tool-$t0"
-  tiles=; [ "$tool" = racecheck ] && tiles=8
-  DSV4_INDEXER_TILES=$tiles DSV4_SANITIZE_RUN=$run_id "$SAN" --tool "$tool" --target-processes application-only \
+  DSV4_SANITIZE_RUN=$run_id "$SAN" --tool "$tool" --target-processes application-only \
     "${filter[@]}" "${SANITIZE_OPTS[@]}" --error-exitcode 86 --print-limit 20 \
     "$PY" -m pytest -m gpu -p no:cacheprovider -x -v -rs --durations=8 \
     -o console_output_style=times "${args[@]}" > "$log" 2>&1 &
