@@ -14,7 +14,7 @@ import pytest
 import dsv4_jax as D
 from dsv4_jax import _ffi
 
-import npq
+from support import npq
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf_dsv4_compressor.npz"
 pytestmark = [pytest.mark.skipif(not _ffi.has_target("cpu", "dsv4_flush_csa"),

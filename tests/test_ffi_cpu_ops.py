@@ -1,5 +1,5 @@
 """Sanity tests of the CPU FFI path of every op, each against an independent
-numpy computation (tests/npq.py) rather than the jnp reference."""
+numpy computation (tests/support/npq.py) rather than the jnp reference."""
 import dataclasses
 
 import jax
@@ -11,7 +11,7 @@ import dsv4_jax as D
 from dsv4_jax import _ffi
 from dsv4_jax.errors import ErrorKind as EK
 
-import npq
+from support import npq
 
 pytestmark = pytest.mark.skipif(not _ffi.has_target("cpu", "dsv4_append"),
                                 reason="CPU FFI module not built")

@@ -21,8 +21,8 @@ import dsv4_jax as D
 from dsv4_jax import config as C
 from dsv4_jax.reference import quant as Q
 
-import oracle as O
-from harness import FlipStats, compare_index, raw
+from support import oracle as O
+from support.harness import FlipStats, compare_index, raw
 
 # every test here runs once per implementation (reference, CPU FFI, CUDA)
 pytestmark = pytest.mark.usefixtures("impl_under_test")

@@ -14,7 +14,7 @@ from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as K
 from dsv4_jax.meta import StepMeta
 
-from harness import make_params, raw
+from support.harness import make_params, raw
 
 # every test here runs once per implementation (reference, CPU FFI, CUDA)
 pytestmark = pytest.mark.usefixtures("impl_under_test")
