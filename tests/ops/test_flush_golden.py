@@ -7,10 +7,9 @@ points, so entries agree to ~1e-2 of the row's max magnitude. Indexer keys
 are stored as MXFP4 after the Hadamard transform: they are compared in the
 Hadamard domain within one MXFP4 rounding step, and the pre-Hadamard keys of
 the numpy oracle (which the reference matches byte for byte, see
-test_reference_chunking) are compared with the golden ones at 1e-2.
+properties/test_chunking.py) are compared with the golden ones at 1e-2.
 """
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +20,14 @@ import dsv4_jax as D
 from dsv4_jax import config as C
 from dsv4_jax.reference import quant as Q
 
+from support import DATA
 from support import oracle as O
 from support.harness import FlipStats, compare_index, raw
 
 # every test here runs once per implementation (reference, CPU FFI, CUDA)
 pytestmark = pytest.mark.usefixtures("impl_under_test")
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "data", "hf_dsv4_compressor.npz")
+GOLDEN = DATA / "hf_dsv4_compressor.npz"
 TOL = 1e-2
 
 
