@@ -40,3 +40,8 @@ def available_host_gb() -> float:
     except OSError:
         pass
     return 0.0
+
+
+# a case run once per implementation (reference, CPU FFI, CUDA), each as what
+# impl="auto" resolves to: conftest's impl_under_test
+every_impl = pytest.mark.usefixtures("impl_under_test")
