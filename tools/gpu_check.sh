@@ -70,7 +70,7 @@ else
   pids=()
   for v in "${variants[@]}"; do
     env "${v%%:*}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-      $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
+      $PY -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_indexer_topk.py \
       >"$OUT/pytest_indexer_${v##*:}.log" 2>&1 &
     pids+=($!)
   done

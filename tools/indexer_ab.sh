@@ -26,7 +26,7 @@ build && cp "$(module)" /tmp/ab_base.so || exit 1
 patch -s -p1 <"$PATCH" || { echo "PATCH does not apply: $PATCH"; exit 1; }
 build && cp "$(module)" /tmp/ab_new.so || exit 1
 if [ -n "${TESTS:-}" ]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py 2>&1 | tail -2
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_indexer_topk.py 2>&1 | tail -2
 fi
 so=$(module)
 for _ in $(seq "${REPS:-3}"); do
