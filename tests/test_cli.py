@@ -128,7 +128,7 @@ def test_bench_rejects_bad_options(capsys):
 def test_demo_layer_scan_equals_unrolled_layers():
     """The demo scans the repeating part of a layer pattern (traced layer
     index); the cache must come out byte for byte as with unrolled layers."""
-    from conftest import assert_trees_bytes_equal
+    from support.trees import assert_trees_bytes_equal
     from dsv4_jax import demo
     assert demo.layer_groups(CacheConfig.flash().layer_kinds) == (3, 2, 20)
     assert demo.layer_groups(CacheConfig.pro().layer_kinds) == (1, 2, 30)

@@ -21,12 +21,13 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from conftest import CUDA, assert_trees_bytes_equal, requires_cpu_ffi
 from dsv4_jax import CacheConfig, init_state
 from dsv4_jax import config as C
-from inplace import assert_in_place
-from scenario import Flips, Schedule, assert_outputs_equal, compare_states, layer_params, \
-    read_step, step_inputs, write_step
+from dsv4_jax.workload import (Flips, Schedule, assert_outputs_equal, compare_states,
+                               layer_params, read_step, step_inputs, write_step)
+from support.inplace import assert_in_place
+from support.marks import CUDA, requires_cpu_ffi
+from support.trees import assert_trees_bytes_equal
 
 # DSV4_REPLAY_IMPL=cpu runs the same checks on the CPU handlers (a check of
 # the test itself on a machine without a GPU).

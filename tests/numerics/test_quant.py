@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax.reference import quant as Q
-from oracle import bits, decode_kv, decode_mxfp4, encode_kv, encode_mxfp4
+from support.oracle import bits, decode_kv, decode_mxfp4, encode_kv, encode_mxfp4
 
 E4M3 = ml_dtypes.float8_e4m3fn
 jit = jax.jit

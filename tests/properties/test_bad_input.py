@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as K
-from conftest import assert_trees_bytes_equal
-from scenario import layer_params
+from dsv4_jax.workload import layer_params
+from support.trees import assert_trees_bytes_equal
 
 pytestmark = pytest.mark.usefixtures("impl_under_test")
 # DSV4_BAD_INPUT_EXAMPLES shrinks the run (tools/sanitize.sh, under compute-sanitizer)

@@ -14,8 +14,8 @@ import dsv4_jax as D
 from dsv4_jax import _ffi
 from dsv4_jax.errors import ErrorKind as EK
 
-import npq
-from conftest import CUDA, requires_cpu_ffi
+from support import npq
+from support.marks import CUDA, requires_cpu_ffi
 
 CSA_LAYERS = (1, 3)      # tiny preset: SWA, CSA, HCA, CSA
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -803,7 +803,7 @@ def test_sharded_equals_each_shard_alone(impl, q_format):
     shard does; errors land in the shard's own counters."""
     from jax.sharding import Mesh
     from dsv4_jax.sharding import init_sharded_state, shard_config
-    from test_sharding import unshard
+    from support.sharding import unshard
     devices = jax.devices()
     if len(devices) < 2:
         pytest.skip("needs 2 devices")

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from conftest import assert_trees_bytes_equal
-from inplace import assert_in_place, compiled_text
 from dsv4_jax import CacheConfig, CacheFullError, CacheManager, apply_step, init_state
-from dsv4_jax.sharding import (ShardedCacheManager, init_sharded_state, shard_config,
-                               state_specs)
+from dsv4_jax.sharding import ShardedCacheManager, init_sharded_state, shard_config
+from support.inplace import assert_in_place, compiled_text
+from support.sharding import unshard
+from support.trees import assert_trees_bytes_equal
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 
@@ -19,25 +19,6 @@ def mesh_of(n):
     if len(devices) < n:
         pytest.skip(f"needs {n} devices")
     return Mesh(np.array(devices[:n]), ("data",))
-
-
-def unshard(state, cfg):
-    """Per-shard slices of a sharded state as separate single-shard states."""
-    local = cfg.local()
-    n = cfg.num_shards
-    specs = jax.tree_util.tree_leaves(state_specs(cfg))
-    leaves, _ = jax.tree_util.tree_flatten(state)
-    out = []
-    for k in range(n):
-        parts = []
-        for x, spec in zip(leaves, specs):
-            axis = 0 if spec[0] == "data" else 1
-            x = np.asarray(x)
-            size = x.shape[axis] // n
-            parts.append(np.take(x, range(k * size, (k + 1) * size), axis=axis))
-        out.append(jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(init_state(local)), parts))
-    return out
 
 
 def test_sharded_apply_step_equals_unsharded_per_shard_and_stays_in_place():
@@ -125,7 +106,7 @@ def test_sharded_workload_equals_each_shard_run_alone(n):
     shards (CPU devices in CI, GPUs on a multi-GPU machine); each shard's
     slice equals the same requests run unsharded, the compiled step has no
     collectives and keeps the pools in place."""
-    from scenario import layer_params, read_step, step_inputs, write_step
+    from dsv4_jax.workload import layer_params, read_step, step_inputs, write_step
     mesh = mesh_of(n)
     cfg = shard_config(CacheConfig.tiny(max_requests=8, num_blocks=32), mesh, "data")
     local = cfg.local()

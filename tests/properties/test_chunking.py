@@ -9,7 +9,7 @@ those are counted and must stay rare.
 import numpy as np
 import pytest
 
-from harness import Harness
+from support.harness import Harness
 
 # every test here runs once per implementation (reference, CPU FFI, CUDA)
 pytestmark = pytest.mark.usefixtures("impl_under_test")

@@ -20,7 +20,7 @@ import dsv4_jax as D
 from dsv4_jax import config as C
 from dsv4_jax.meta import StepMeta
 
-import oracle as O
+from support import oracle as O
 
 NB_PAD, NR_PAD = 8, 4   # fixed new-block / reset rows, so a step compiles once per T
 

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import available_host_gb
 from dsv4_jax import _ffi
 from dsv4_jax.ops._dispatch import ffi_call, ffi_in_place
 from dsv4_jax.state import E8M0, FP8
+from support.marks import available_host_gb
 
 
 pytestmark = [pytest.mark.skipif(not _ffi.has_target("cpu", "dsv4_flush_hca"),

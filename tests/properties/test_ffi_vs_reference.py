@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import CUDA, requires_cpu_ffi
-from scenario import Flips, Schedule, assert_outputs_equal, compare_states, layer_params, \
-    read_step, step_inputs, write_step
 from dsv4_jax import CacheConfig, init_state
+from dsv4_jax.workload import (Flips, Schedule, assert_outputs_equal, compare_states,
+                               layer_params, read_step, step_inputs, write_step)
+from support.marks import CUDA, requires_cpu_ffi
 
 FFI = [pytest.param("cpu", marks=requires_cpu_ffi), pytest.param("cuda", marks=CUDA)]
 MAX_FLIP_FRACTION = 1e-3

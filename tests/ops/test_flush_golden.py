@@ -1,16 +1,20 @@
-"""The public ops reproduce the compressor entries of an independent
-implementation (Hugging Face transformers DeepseekV4, tests/data/README.md),
-whole sequence and chunked, in the bf16 KV format.
+"""flush reproduces the compressor entries of an independent implementation
+(Hugging Face transformers DeepseekV4, tests/data/README.md), whole sequence
+and chunked, in the bf16 KV format: on every implementation through the
+public ops (apply_step + flush, read back by gather_topk / gather_all and
+from the indexer pool), and through the CPU handler with blocks placed by
+hand (window boundaries, the CSA overlap, ape indexing, RMSNorm and RoPE
+position).
 
 That implementation stores float entries without the official bf16 rounding
 points, so entries agree to ~1e-2 of the row's max magnitude. Indexer keys
 are stored as MXFP4 after the Hadamard transform: they are compared in the
 Hadamard domain within one MXFP4 rounding step, and the pre-Hadamard keys of
 the numpy oracle (which the reference matches byte for byte, see
-test_reference_chunking) are compared with the golden ones at 1e-2.
+properties/test_chunking.py) are compared with the golden ones at 1e-2.
 """
+import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +25,12 @@ import dsv4_jax as D
 from dsv4_jax import config as C
 from dsv4_jax.reference import quant as Q
 
-import oracle as O
-from harness import FlipStats, compare_index, raw
+from support import DATA, npq
+from support import oracle as O
+from support.harness import FlipStats, compare_index, raw
+from support.marks import cpu_target_built, every_impl
 
-# every test here runs once per implementation (reference, CPU FFI, CUDA)
-pytestmark = pytest.mark.usefixtures("impl_under_test")
-
-GOLDEN = os.path.join(os.path.dirname(__file__), "data", "hf_dsv4_compressor.npz")
+GOLDEN = DATA / "hf_dsv4_compressor.npz"
 TOL = 1e-2
 
 
@@ -91,10 +94,12 @@ def assert_rows_close(got, want, what):
     assert err.max() < TOL, f"{what}: worst row error {err.max():.3g} of the row max"
 
 
+@every_impl
 def test_inv_freq_is_the_official_yarn(g):
     np.testing.assert_array_equal(D.yarn_inv_freq().view(np.uint32), g["inv_freq"].view(np.uint32))
 
 
+@every_impl
 @pytest.mark.parametrize("mode", ["whole", "chunked"])
 def test_csa_entries(g, mode):
     kv, score = proj(g, "csa_x", "csa_main")
@@ -143,6 +148,7 @@ def test_csa_entries(g, mode):
     assert stats.rate() < 1e-3, stats
 
 
+@every_impl
 @pytest.mark.parametrize("mode", ["whole", "chunked"])
 def test_hca_entries(g, mode):
     kv, score = proj(g, "hca_x", "hca_main")
@@ -155,3 +161,87 @@ def test_hca_entries(g, mode):
     assert_rows_close(np.asarray(out[0, :S // 128], np.float32), g["hca_main" + suffix][0],
                       "hca_main")
     assert not np.asarray(out[0, S // 128:], np.float32).any()
+
+
+# ---- the CPU handler, blocks placed by hand --------------------------------------------
+def state_with_blocks(blocks):
+    cfg = D.CacheConfig.tiny(max_requests=2, max_context=512, kv_format="bf16")
+    st = D.init_state(cfg)
+    bt = np.full((2, cfg.max_blocks_per_request), -1, np.int32)
+    bt[1, :len(blocks)] = blocks
+    return dataclasses.replace(st, block_table=jnp.asarray(bt))
+
+
+def proj_f32(g, p, x):
+    return (x @ g[f"{p}_wkv"].T).astype(np.float32), (x @ g[f"{p}_wgate"].T).astype(np.float32)
+
+
+def run_chunks(st, layer, n, chunks, fn):
+    start = 0
+    for c in chunks:
+        c = min(c, n - start)
+        if c <= 0:
+            break
+        meta = D.StepMeta.build(token_slot=np.ones(c, np.int32),
+                                token_pos=np.arange(start, start + c, dtype=np.int32),
+                                lengths=np.zeros(2, np.int32))
+        st = fn(st, layer, meta, slice(start, start + c))
+        start += c
+    assert start == n
+    return st
+
+
+def close_rows(got, want):
+    tol = 1e-2 * np.abs(want).max(-1, keepdims=True)
+    assert (np.abs(got - want) <= tol).all(), np.abs(got - want).max()
+
+
+@cpu_target_built("dsv4_flush_csa")
+@pytest.mark.skipif(not GOLDEN.exists(), reason="golden data missing")
+@pytest.mark.parametrize("chunks", [[10 ** 6], [37, 1, 1, 1, 64, 3, 37, 200]])
+def test_csa_matches_hf(g, chunks):
+    x = g["csa_x"][0]
+    n = len(x)
+    kv, score = proj_f32(g, "csa_main", x)
+    ikv, iscore = proj_f32(g, "csa_idx", x)
+    p = params(g, "csa_main", params(g, "csa_idx"))
+    blocks = [3, 0, 2]
+    st = state_with_blocks(blocks)
+
+    def step(st, layer, meta, sl):
+        return D.flush(st, layer, meta, jnp.asarray(kv[sl]), jnp.asarray(score[sl]), p,
+                       index_kv=jnp.asarray(ikv[sl]), index_score=jnp.asarray(iscore[sl]), impl="cpu")
+
+    st = run_chunks(st, 1, n, chunks, step)
+    E = n // 4
+    out, valid = D.gather_topk(st, 1, jnp.array([1], jnp.int32), jnp.array([n - 1], jnp.int32),
+                               jnp.arange(E, dtype=jnp.int32)[None], impl="cpu")
+    assert np.asarray(valid).all()
+    close_rows(np.asarray(out.astype(jnp.float32))[0], g["csa_main_expected"][0])
+    # indexer keys: MXFP4 of H @ key; compare with H @ golden key within a code step
+    i = np.arange(E)
+    bt = np.array(blocks)[i // 32]
+    keys = npq.unpack_mxfp4(np.asarray(st.csa.index.packed)[0, bt, i % 32],
+                            np.asarray(st.csa.index.scale)[0, bt, i % 32])
+    want = g["csa_idx_expected"][0].astype(np.float64) @ npq.sylvester(128).T * 128 ** -0.5
+    _, scale = npq.mxfp4_roundtrip(want.astype(np.float32))
+    assert (np.abs(keys - want) <= scale * 1.0 + 2e-2 * np.abs(want).max(-1, keepdims=True)).all()
+
+
+@cpu_target_built("dsv4_flush_csa")
+@pytest.mark.skipif(not GOLDEN.exists(), reason="golden data missing")
+@pytest.mark.parametrize("chunks", [[10 ** 6], [37, 1, 1, 1, 64, 3, 37, 240]])
+def test_hca_matches_hf(g, chunks):
+    x = g["hca_x"][0]
+    n = len(x)
+    kv, score = proj_f32(g, "hca_main", x)
+    p = params(g, "hca_main")
+    st = state_with_blocks([2, 1, 3])
+
+    def step(st, layer, meta, sl):
+        return D.flush(st, layer, meta, jnp.asarray(kv[sl]), jnp.asarray(score[sl]), p, impl="cpu")
+
+    st = run_chunks(st, 2, n, chunks, step)
+    out, count = D.gather_all(st, 2, jnp.array([1], jnp.int32), jnp.array([n], jnp.int32), 3, impl="cpu")
+    assert int(count[0]) == 3
+    close_rows(np.asarray(out.astype(jnp.float32))[0], g["hca_main_expected"][0])

@@ -4,11 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import CUDA, assert_trees_bytes_equal, poison, requires_cpu_ffi
-from inplace import assert_in_place
 from dsv4_jax import CacheConfig, CacheState, StepMeta, apply_step, init_state
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind
+from support.inplace import assert_in_place
+from support.marks import CUDA, requires_cpu_ffi
+from support.trees import assert_trees_bytes_equal, poison
 
 IMPLS_FFI = [pytest.param("cpu", marks=requires_cpu_ffi), pytest.param("cuda", marks=CUDA)]
 
