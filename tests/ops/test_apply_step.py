@@ -1,4 +1,4 @@
-"""apply_step: reference vs CPU FFI, in place, bad input (DESIGN §6-§9)."""
+"""apply_step: reference vs CPU FFI, in place, bad input (docs/design.md §6-§9)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,4 @@
-"""Bad input at run time (DESIGN §9), property-based: random metadata with a
+"""Bad input at run time (docs/design.md §9), property-based: random metadata with a
 fraction of bad rows (and rows with NaN/Inf inputs), on every implementation. Each op must give exactly the
 result of the same call with the bad rows turned into padding, leave every
 other byte alone, and count each bad row once under its kind."""

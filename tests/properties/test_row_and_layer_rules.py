@@ -1,4 +1,4 @@
-"""Rules every op keeps within a step (DESIGN §9, docstrings of
+"""Rules every op keeps within a step (docs/design.md §9, docstrings of
 dsv4_jax/ops), on every implementation: bad rows mixed into a step's batch
 are dropped and counted and the valid rows give what they give without
 them; a bad traced layer counts BAD_LAYER once per op and changes nothing;

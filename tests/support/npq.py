@@ -1,4 +1,4 @@
-"""Independent numpy helpers for the FFI tests: quantizers written from DESIGN
+"""Independent numpy helpers for the FFI tests: quantizers written from docs/design.md
 §4 with ml_dtypes casts, and float64 versions of the §3 epilogue. Nothing here
 calls the code under test."""
 import ml_dtypes
@@ -50,7 +50,7 @@ def entry_roundtrip(row, fmt):
 
 
 def epilogue64(pooled, norm, inv_freq, pos, rope_dim=64):
-    """DESIGN §3 epilogue with float64 arithmetic between the bf16 roundings."""
+    """docs/design.md §3 epilogue with float64 arithmetic between the bf16 roundings."""
     x = bf16(pooled).astype(np.float64)
     x = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * norm.astype(np.float64)
     x = bf16(x).astype(np.float64)
