@@ -30,7 +30,7 @@ struct Shared {
   float ss[2];          // sums of squares (main, index)
 };
 
-// The epilogue of DESIGN §3 on a d-channel row held one channel per thread
+// The epilogue of docs/design.md §3 on a d-channel row held one channel per thread
 // (threads >= d only take part in the barriers). `v` is this thread's pooled
 // value; on return xs[0..d) holds the bf16-valued row to store.
 __device__ void BlockEpilogue(float v, int d, const float* norm, const float* inv_freq,

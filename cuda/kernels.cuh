@@ -16,7 +16,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "dsv4/entries.h"
@@ -74,24 +73,11 @@ inline unsigned GridFor(int64_t work, int per_block, int waves) {
   return static_cast<unsigned>(want);
 }
 
-// A comparison switch from the environment: 0 or 1 where the variable is
-// exactly "0" or "1", else -1 (unset or anything else: the default).
-// Callers read it once (a static), as their launches are hot.
-inline int EnvSwitch(const char* name) {
-  const char* v = std::getenv(name);
-  return v && (v[0] == '0' || v[0] == '1') && v[1] == '\0' ? v[0] - '0' : -1;
-}
-
 // Launches `kernel` so that it may start while the kernel before it on the
 // stream is still running (programmatic dependent launch, sm_90): its CTAs
 // do what needs nothing of that kernel, then WaitForPrevious(). Without the
 // feature (older devices, or a launch that refuses the attribute) it is an
-// ordinary launch: WaitForPrevious() then returns at once. DSV4_OVERLAP=0
-// (read once) makes every such launch ordinary, for comparisons.
-inline bool OverlapLaunches() {
-  static const bool on = EnvSwitch("DSV4_OVERLAP") != 0;
-  return on;
-}
+// ordinary launch: WaitForPrevious() then returns at once.
 // `cluster_x` > 1 groups that many consecutive CTAs (along x) into a
 // thread-block cluster, with or without the overlap.
 template <typename... Params, typename... Args>
@@ -112,15 +98,13 @@ cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, s
     ++n;
   }
   const int plain = n;                            // the attributes without the overlap
-  if (OverlapLaunches()) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
+  attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[n].val.programmaticStreamSerializationAllowed = 1;
+  ++n;
   cfg.attrs = attr;
   cfg.numAttrs = n;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
-  if (err == cudaSuccess || n == plain) return err;
+  if (err == cudaSuccess) return err;
   (void)cudaGetLastError();                       // clear it, then without the overlap
   cfg.numAttrs = plain;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);

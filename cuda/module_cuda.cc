@@ -5,19 +5,6 @@
 
 namespace nb = nanobind;
 
-namespace dsv4 {
-namespace {
-namespace ffi = xla::ffi;
-// An FFI call that does nothing: its operand is aliased to its result. The
-// benchmarks time it as the floor of any handler's cost (dispatch, launch).
-ffi::Error NoopImpl(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>) { return ffi::Error::Success(); }
-}  // namespace
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NoopCuda, NoopImpl,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-void BindNumericsProbe(nb::module_& m);  // numerics_probe_py.cc
-}  // namespace dsv4
-
 NB_MODULE(_dsv4_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
@@ -28,9 +15,7 @@ NB_MODULE(_dsv4_cuda, m) {
     targets["dsv4_flush_hca"] = nb::capsule(reinterpret_cast<void*>(dsv4::FlushHcaCuda));
     targets["dsv4_gather_window"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherWindowCuda));
     targets["dsv4_gather_topk"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherTopkCuda));
-    targets["dsv4_noop"] = nb::capsule(reinterpret_cast<void*>(dsv4::NoopCuda));
     targets["dsv4_gather_all"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherAllCuda));
     return targets;
   });
-  dsv4::BindNumericsProbe(m);
 }

@@ -1,6 +1,6 @@
 // Host entry points that run the shared numerics (ffi/include/dsv4/numerics.h)
 // on the GPU, one thread per element or row, for tests comparing device bits
-// with the CPU's (tests/test_numerics_gpu.py). Debug use only: they allocate
+// with the CPU's (tests/numerics/test_numerics_gpu.py). Debug use only: they allocate
 // and synchronize. Pointers are host memory; each returns "" or an error.
 #pragma once
 

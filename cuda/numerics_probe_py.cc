@@ -1,5 +1,6 @@
-// _dsv4_cuda.numerics: the device versions of _dsv4_cpu.numerics (same
-// names and arguments), for tests comparing the bits of host and device.
+// _dsv4_testing_cuda.numerics: the device versions of
+// _dsv4_testing_cpu.numerics (same names and arguments), for tests comparing
+// the bits of host and device.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
@@ -7,6 +8,7 @@
 #include <string>
 
 #include "numerics_probe.h"
+#include "testing.h"
 
 namespace nb = nanobind;
 

@@ -4,8 +4,8 @@ demo   build a cache, run chunked prefill and a jitted decode loop over several
        requests, print throughput and memory, check the cache against the jnp
        reference (PASS / FAIL, exit code 1 on FAIL)
 plan   memory plan of a model at a context length and number of requests
-bench  the benchmark suite (benchmarks/run.py) or a built-in timing of the ops;
-       a table, a JSON of the numbers and a PNG plot
+bench  time every op and a V4-Flash decode step on the default device: a table,
+       a JSON of the numbers and a PNG plot (dsv4_jax/bench)
 info   versions and which FFI modules loaded
 
 Tables and progress bars use `rich` and the plot `matplotlib` when installed
@@ -231,12 +231,13 @@ def cmd_info(args, parser) -> int:
     return 0
 
 
-# ---- bench (in dsv4_jax/bench.py) ------------------------------------------------------------
+# ---- bench (in dsv4_jax/bench/) ------------------------------------------------------------
 def cmd_bench(args, parser) -> int:
-    """Benchmarks: benchmarks/run.py when present, else a built-in timing of
-    the ops; a table, a JSON and a PNG plot."""
-    from . import bench
-    return bench.main(args, UI(plain=args.plain))
+    """Time every op at several sizes (µs per call, GB/s of the bytes it must
+    move, % of a device copy of as many bytes) and a V4-Flash decode step
+    against the jnp reference; a table, a JSON and a PNG plot."""
+    from .bench import suite
+    return suite.command(args, UI(plain=args.plain))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,13 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", parents=[common], help="time the ops: table, JSON, plot",
                        description=cmd_bench.__doc__)
-    p.add_argument("--json", metavar="PATH", default="bench.json",
-                   help="where to write the numbers (default bench.json)")
-    p.add_argument("--plot", metavar="PATH", default="bench.png",
-                   help="where to write the plot (default bench.png)")
-    p.add_argument("--builtin", action="store_true",
-                   help="use the built-in timing even if benchmarks/run.py exists")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    from .bench.options import add_options
+    add_options(p, json_default="bench.json", plot_default="bench.png")
     p.set_defaults(fn=cmd_bench)
 
     sub.add_parser("info", help="versions and which FFI modules loaded").set_defaults(fn=cmd_info)

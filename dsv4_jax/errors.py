@@ -1,4 +1,4 @@
-"""Run-time input errors (DESIGN §9): counters carried in `state.errors`.
+"""Run-time input errors (docs/design.md §9): counters carried in `state.errors`.
 
 Data-dependent bad input (a slot out of range, a missing block, ...) cannot
 raise inside a jitted step. Every op instead drops the offending token or row
@@ -14,7 +14,7 @@ import numpy as np
 
 class ErrorKind(enum.IntEnum):
     """Index of each counter in `state.errors`. The C++ and CUDA code use the
-    same numbers (ffi/include/dsv4/errors.h)."""
+    same numbers (enum ErrorKind in ffi/include/dsv4/layout.h)."""
     BAD_SLOT = 0          # slot outside [0, R) (-1 padding is not an error)
     BAD_POSITION = 1      # negative position, or beyond the request's block table
     MISSING_BLOCK = 2     # block table entry -1 or >= N where a write/read needs it

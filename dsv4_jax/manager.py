@@ -1,4 +1,4 @@
-"""Host-side bookkeeping (DESIGN §7): request slots, physical blocks, and the
+"""Host-side bookkeeping (docs/design.md §7): request slots, physical blocks, and the
 step metadata. Plain Python, no device sync.
 
 A typical step::
@@ -44,7 +44,7 @@ def bucket(n: int, minimum: int = 1) -> int:
 class CacheManager:
     """Admits and releases requests, allocates blocks, builds `StepMeta`.
 
-    `shard` only labels error messages (one manager per shard, DESIGN §10)."""
+    `shard` only labels error messages (one manager per shard, docs/design.md §10)."""
 
     def __init__(self, config: CacheConfig, *, shard: int | None = None):
         self.config = config

@@ -1,4 +1,4 @@
-"""The cache state: pytrees of device arrays, laid out as in DESIGN §5.
+"""The cache state: pytrees of device arrays, laid out as in docs/design.md §5.
 
 Arrays are data fields; the `CacheConfig` is a static field. Pools are stacked
 per layer kind (leading axis = index of the layer among layers of its kind) so
@@ -34,7 +34,7 @@ def _dataclass(cls=None, *, static=()):
 
 @_dataclass
 class KVEntries:
-    """Entries of width 512 in one of the three KV formats (DESIGN §4).
+    """Entries of width 512 in one of the three KV formats (docs/design.md §4).
 
     ds_fp8:    nope f8e4m3[..., 448], rope bf16[..., 64], scale e8m0[..., 7]
     fp8_token: nope f8e4m3[..., 448], rope bf16[..., 64], scale f32[..., 1]

@@ -1,7 +1,7 @@
 """A multi-request, multi-layer workload run step by step through any
-implementation, and the comparison of two such runs (DESIGN §12).
+implementation, and the comparison of two such runs (docs/design.md §12).
 
-Shared by the test suite (tests/scenario.py re-exports it) and by
+Shared by the test suite (imported directly by tests/) and by
 `python -m dsv4_jax demo`, which checks its cache against the reference path
 with `compare_states`.
 

@@ -1,7 +1,7 @@
 // flush: fold a step's compressor projections into the online-softmax
 // accumulators of a CSA or HCA layer and write the entries the step closes.
 // Operands and per-token rules: dsv4_jax/ops/flush.py ("dsv4_flush_csa",
-// "dsv4_flush_hca"); semantics DESIGN §3 and §5.
+// "dsv4_flush_hca"); semantics docs/design.md §3 and §5.
 //
 // Accumulators: comp[L, R, A, 3, d] with rows (max, sum, kv) per channel. CSA
 // has A = 2: index 0 = current (entry w: a halves of window w-1, b halves of

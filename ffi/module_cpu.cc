@@ -5,10 +5,6 @@
 
 namespace nb = nanobind;
 
-namespace dsv4 {
-void BindNumerics(nb::module_& m);  // numerics_py.cc
-}  // namespace dsv4
-
 namespace {
 template <typename Fn>
 nb::capsule Capsule(Fn* fn) {
@@ -29,5 +25,4 @@ NB_MODULE(_dsv4_cpu, m) {
     targets["dsv4_indexer_topk"] = Capsule(dsv4::IndexerTopkCpu);
     return targets;
   });
-  dsv4::BindNumerics(m);
 }

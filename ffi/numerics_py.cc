@@ -1,4 +1,4 @@
-// The numerics header exposed to Python (module _dsv4_cpu.numerics) so tests
+// The numerics header exposed to Python (_dsv4_testing_cpu.numerics) so tests
 // can check it bit for bit against ml_dtypes / numpy. Debug use only: every
 // function writes into caller-provided C-contiguous numpy outputs.
 #include <nanobind/nanobind.h>
@@ -12,6 +12,7 @@
 #include "dsv4/indexer.h"
 #include "dsv4/numerics.h"
 #include "flush.h"
+#include "testing.h"
 
 namespace nb = nanobind;
 

@@ -1,16 +1,8 @@
-"""benchmarks/run.py --markdown: a saved run's rows as RESULTS.md's tables."""
-import importlib.util
+"""benchmarks/run.py --markdown (dsv4_jax.bench.suite): a saved run's rows as
+RESULTS.md's tables."""
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_run():
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from dsv4_jax.bench.suite import main
 
 
 def test_markdown_tables_from_saved_rows(tmp_path, capsys):
@@ -30,7 +22,7 @@ def test_markdown_tables_from_saved_rows(tmp_path, capsys):
     ]
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"device": "x", "platform": "gpu", "jax": "0", "rows": rows}))
-    load_run().main(["--markdown", str(path)])
+    main(["--markdown", str(path)])
     lines = capsys.readouterr().out.splitlines()
     assert "| empty FFI call | | 2.00 | | | | 1.0 |" in lines
     # 1500 GB/s is 50 % of the 3.0 TB/s copy rate

@@ -95,18 +95,19 @@ def test_plan_rejects_bad_options(capsys):
         main(["plan", "--gpu-memory", "nan"])
 
 
-def test_bench_builtin_writes_numbers(capsys, tmp_path):
+def test_bench_writes_numbers(capsys, tmp_path):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
-    code, out = run_cli(capsys, "bench", "--plain", "--builtin", "--quick",
+    code, out = run_cli(capsys, "bench", "--plain", "--quick",
                         "--json", str(out_json), "--plot", str(out_png))
     assert code == 0, out
     data = json.loads(out_json.read_text())
     assert data["errors"] == {}            # every timed call did real work, nothing dropped
     ops = {"append", "flush_csa", "flush_hca", "gather_window", "gather_topk", "gather_all"}
-    assert {r["op"] for r in data["results"]} == ops
-    for r in data["results"]:
-        assert r["seconds"] > 0 and r["bytes"] > 0
-        assert r["gbps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
+    timed = [r for r in data["rows"] if r["op"] != "empty"]
+    assert {r["op"] for r in timed} == ops
+    for r in timed:
+        assert r["us"] > 0 and r["bytes"] > 0
+        assert r["GBps"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
         assert re.search(rf"^{r['op']}\s+{r['rows']}\s", out, re.M)
     assert data["copy_gbps"] > 0
     try:
@@ -117,22 +118,17 @@ def test_bench_builtin_writes_numbers(capsys, tmp_path):
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_reads_another_suites_json():
-    from dsv4_jax.bench import records_from
-    data = {"device": "x", "copy": {"op": "copy", "rows": 1, "GB/s": 3000.0},
-            "results": [{"op": "append", "rows": 8, "GB/s": 10.5},
-                        {"op": "gather_topk", "tokens": 64, "bandwidth_gbs": 99.0},
-                        {"op": "no bandwidth", "rows": 1}]}
-    records, ceiling = records_from(data)
-    assert ceiling == 3000.0
-    assert records == [{"op": "append", "rows": 8, "gbps": 10.5},
-                       {"op": "gather_topk", "rows": 64, "gbps": 99.0}]
+def test_bench_rejects_bad_options(capsys):
+    for argv in (["--ops", "append,nope"], ["--rows", "0"], ["--formats", "fp4"]):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", *argv])
+        assert e.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
 def test_demo_layer_scan_equals_unrolled_layers():
     """The demo scans the repeating part of a layer pattern (traced layer
     index); the cache must come out byte for byte as with unrolled layers."""
-    from conftest import assert_trees_bytes_equal
+    from support.trees import assert_trees_bytes_equal
     from dsv4_jax import demo
     assert demo.layer_groups(CacheConfig.flash().layer_kinds) == (3, 2, 20)
     assert demo.layer_groups(CacheConfig.pro().layer_kinds) == (1, 2, 30)

@@ -1,4 +1,4 @@
-"""Config presets, state layout and memory_report (DESIGN §2, §5)."""
+"""Config presets, state layout and memory_report (docs/design.md §2, §5)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,6 +1,6 @@
 """examples/decode_loop.py runs, and its attention output equals a dense
 attention written from scratch in numpy / float64 over the same tokens, with
-the compressed entries of the oracle (tests/oracle.py)."""
+the compressed entries of the oracle (tests/support/oracle.py)."""
 import importlib.util
 import math
 import pathlib
@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-import oracle as O
+from support import oracle as O
 from dsv4_jax import config as C
 from dsv4_jax import yarn_inv_freq
 

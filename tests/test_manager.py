@@ -1,4 +1,4 @@
-"""CacheManager: slots, blocks, metadata, failures leave state unchanged (DESIGN §7)."""
+"""CacheManager: slots, blocks, metadata, failures leave state unchanged (docs/design.md §7)."""
 import copy
 
 import numpy as np

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA module, run the GPU tests and the
 # benchmarks, print a short table last. Logs and JSON go to $OUT (or /tmp/gpu_out).
+# The GPU tests are one `pytest -m gpu` process, which covers every kernel path:
+# a kernel variant is chosen by shape, device or an attribute only tests pass,
+# never by the environment, so no stage reruns tests under switches.
 #   device tool:  bash tools/gpu_check.sh
-# SKIP_BENCH=1 skips the benchmarks (ops, indexer_topk, tensor_issue.cu),
+# SKIP_BENCH=1 skips the benchmarks (ops, indexer_topk in mxfp4 and bf16),
 # SKIP_OPS_BENCH=1 only benchmarks/run.py; SKIP_TESTS=1 skips the tests (a
 # call for the benchmarks the budget left out of a full one);
 # BENCH_ARGS / INDEXER_BENCH_ARGS / PYTEST_ARGS pass options through.
@@ -32,11 +35,16 @@ fits() {
 
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-echo "== build (no package index there: no build isolation, no deps)"
+echo "== build (no package index there: no build isolation, no deps; with the testing modules)"
 t0=$(date +%s)
-if ! $PY -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+# (--config-settings, not -C: pip before 23.1 lacks the short form)
+if ! $PY -m pip install -q --no-build-isolation --no-deps -e . \
+    --config-settings=cmake.define.DSV4_BUILD_TESTING=ON >"$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
 fi
+# the numerics probes and dsv4_noop: without them GPU tests would skip
+(cd /tmp && $PY -c "import dsv4_jax._dsv4_testing_cuda") \
+  || { echo "BUILD FAILED: no _dsv4_testing_cuda"; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s"
 (cd /tmp && $PY -m dsv4_jax info)
 
@@ -60,25 +68,6 @@ else
   $PY -m pytest -q -p no:cacheprovider tests/test_example.py tests/test_readme.py 2>&1 \
     | tee "$OUT/pytest_example.log" | tail -1
   [ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
-  # The indexer tests again under switches the kernels read once a process:
-  # the mxfp4 score kernel's two shapes (PairWarps in cuda/indexer_topk.cu)
-  # whatever the grid, and the select's sort where its ranking by bins
-  # (RankSelect) would run. Three processes side by side on the one GPU (their
-  # cases are small; no process takes the usual 75 % of its memory).
-  echo "== indexer tests under DSV4_INDEXER_PAIRS=0, =1 and DSV4_SELECT_RANK=0, side by side"
-  variants=("DSV4_INDEXER_PAIRS=0:pairs0" "DSV4_INDEXER_PAIRS=1:pairs1" "DSV4_SELECT_RANK=0:sort")
-  pids=()
-  for v in "${variants[@]}"; do
-    env "${v%%:*}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
-      $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_indexer.py \
-      >"$OUT/pytest_indexer_${v##*:}.log" 2>&1 &
-    pids+=($!)
-  done
-  for i in "${!variants[@]}"; do
-    wait "${pids[$i]}"; rc=$?
-    echo "${variants[$i]%%:*}: $(tail -1 "$OUT/pytest_indexer_${variants[$i]##*:}.log")"
-    [ "$rc" -eq 0 ] || test_rc=1
-  done
 fi
 
 sanitize_rc=0
@@ -88,8 +77,8 @@ if [ -n "$SANITIZE" ] && [ "$SANITIZE" != 0 ]; then
   sanitize_rc=$?
 fi
 
-# Benchmarks, most wanted first: the indexer's mxfp4 grid (issue 9's
-# target), the microbenchmark, the ops, then the indexer's bf16 rows.
+# Benchmarks, most wanted first: the indexer's mxfp4 grid (its default query
+# format), the ops, then the indexer's bf16 rows.
 bench_rc=0
 if [ -z "${SKIP_BENCH:-}" ]; then
   if fits "indexer_topk benchmark, mxfp4" 100; then
@@ -97,16 +86,6 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     $PY benchmarks/indexer.py --json "$OUT/indexer.json" --q-formats mxfp4 ${INDEXER_BENCH_ARGS:-} \
       2>&1 | tee "$OUT/indexer.log" | tail -14
     [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
-  fi
-  if fits "tensor_issue.cu" 30; then
-    echo "== tensor-core issue microbenchmark (benchmarks/tensor_issue.cu)"
-    if nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -O3 benchmarks/tensor_issue.cu \
-        -o /tmp/tensor_issue >"$OUT/tensor_issue_build.log" 2>&1; then
-      /tmp/tensor_issue >"$OUT/tensor_issue.md" 2>&1 || bench_rc=1
-      tail -3 "$OUT/tensor_issue.md"
-    else
-      tail -20 "$OUT/tensor_issue_build.log"; bench_rc=1
-    fi
   fi
   if [ -z "${SKIP_OPS_BENCH:-}" ] && fits "ops benchmark (benchmarks/run.py)" 150; then
     echo "== ops benchmark"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the GPU kernel tests (issue 8, DESIGN §9): memcheck
+# compute-sanitizer over the GPU kernel tests (issue 8, docs/design.md §9): memcheck
 # over a subset of the `-m gpu` tests that runs every CUDA kernel (apply_step,
 # append, flush CSA and HCA, gather_window / topk / all, indexer_topk, the
 # numerics probe) in every kv format, bad rows included, then racecheck over
@@ -10,9 +10,10 @@
 # Logs go to $OUT (or /tmp/gpu_out).
 #
 # Left out as too slow under the sanitizer: the pools past 2^31 bytes
-# (test_gpu_large_pool.py), the 100-step ds_fp8 replay, and
-# test_ffi_vs_reference.py (its jnp reference runs on the GPU: 41 s a format
-# under memcheck; the replay tests cover the same kernels in every format).
+# (properties/test_large_pool_gpu.py), the 100-step ds_fp8 replay, and
+# properties/test_ffi_vs_reference.py (its jnp reference runs on the GPU: 41 s
+# a format under memcheck; the replay tests cover the same kernels in every
+# format).
 # The 1000-step replay runs 20 steps (DSV4_REPLAY_STEPS) and the hypothesis
 # suite 4 examples a test (DSV4_BAD_INPUT_EXAMPLES).
 #
@@ -57,15 +58,21 @@ fi
 read -r -a SANITIZE_OPTS <<< "${SANITIZE_OPTS:-}"   # more compute-sanitizer options
 export DSV4_BAD_INPUT_EXAMPLES=${DSV4_BAD_INPUT_EXAMPLES:-4} DSV4_REPLAY_STEPS=${DSV4_REPLAY_STEPS:-20}
 
-MEMCHECK_ARGS=(tests/test_numerics_gpu.py tests/test_apply_step.py tests/test_cuda_replay.py
-               tests/test_bad_input.py tests/test_visibility.py tests/test_isolation.py
-               tests/test_indexer.py
-               --deselect "tests/test_cuda_replay.py::test_replay_equals_reference_and_repeats[ds_fp8-100]")
+MEMCHECK_ARGS=(tests/numerics/test_numerics_gpu.py tests/ops/test_apply_step.py
+               tests/properties/test_cuda_replay.py tests/properties/test_bad_input.py
+               tests/ops/test_append.py tests/ops/test_gather_window.py
+               tests/ops/test_gather_topk.py tests/ops/test_gather_all.py
+               tests/properties/test_row_and_layer_rules.py
+               tests/properties/test_isolation.py tests/ops/test_indexer_topk.py
+               --deselect "tests/properties/test_cuda_replay.py::test_replay_equals_reference_and_repeats[ds_fp8-100]")
 # shared-memory kernels: append and flush (CSA and HCA, bad rows among good
-# ones), indexer_topk (8 tiles a warp in the 2048-entry case, so every warp
-# wraps its ring of 4 cp.async stages; its select in clusters of 4 CTAs at
-# 65536 entries, handing keys over through distributed shared memory)
-RACECHECK_ARGS=(tests/test_cuda_replay.py tests/test_indexer.py
+# ones), indexer_topk (its mxfp4 score kernel in pairs of warps on the small
+# grids, one warp a tile column on the full grid of
+# handler_scores_bit_exact_on_a_full_grid, and several tiles a warp at 65536
+# entries, 6 on an H100, so every warp wraps its ring of 2 cp.async stages;
+# its select in clusters of 4 CTAs there, handing keys over through
+# distributed shared memory)
+RACECHECK_ARGS=(tests/properties/test_cuda_replay.py tests/ops/test_indexer_topk.py
                 -k "bad_rows_dropped_and_counted or handler_scores_bit_exact or long_context_many_ties or (select_spread_over_a_cluster and 262144)")
 
 # Which option filters kernels by name (--kernel-name in recent releases, --filter before).
@@ -101,8 +108,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
   # process of the run (marked in its environment) is ended at the limit and
   # after the sanitizer exits.
   run_id="$$-$tool-$t0"
-  tiles=; [ "$tool" = racecheck ] && tiles=8
-  DSV4_INDEXER_TILES=$tiles DSV4_SANITIZE_RUN=$run_id "$SAN" --tool "$tool" --target-processes application-only \
+  DSV4_SANITIZE_RUN=$run_id "$SAN" --tool "$tool" --target-processes application-only \
     "${filter[@]}" "${SANITIZE_OPTS[@]}" --error-exitcode 86 --print-limit 20 \
     "$PY" -m pytest -m gpu -p no:cacheprovider -x -v -rs --durations=8 \
     -o console_output_style=times "${args[@]}" > "$log" 2>&1 &

@@ -1,4 +1,4 @@
-"""Compressor: flush (DESIGN §3, §5).
+"""Compressor: flush (docs/design.md §3, §5).
 
 Accumulators. Each compressed entry is a per-channel softmax pool, kept as an
 online softmax (max M, sum S, weighted kv V) in f32; empty = (-inf, 0, 0).

@@ -1,7 +1,7 @@
-// Scoring of the lightning indexer (dsv4_jax/ops/indexer.py), shared by the
-// CPU handler and the CUDA kernel. The arithmetic order is part of the
-// contract: all three implementations produce the same fp32 score bits, so
-// they rank entries identically.
+// Scoring of the lightning indexer (docs/design.md §4; rules in
+// dsv4_jax/ops/indexer.py), shared by the CPU handler and the CUDA kernel.
+// The arithmetic order is part of the contract: all three implementations
+// produce the same fp32 score bits, so they rank entries identically.
 //
 //   k[c]   = e2m1(code c) * 2^(scale byte - 127)              (exact)
 //   blk[b] = k[32b] q[h,32b] + k[32b+1] q[h,32b+1] + ... + k[32b+31] q[h,32b+31]

@@ -1,4 +1,4 @@
-// Geometry and storage constants of the DSV4 cache (DESIGN §2, §4, §5).
+// Geometry and storage constants of the DSV4 cache (docs/design.md §2, §4, §5).
 // Mirrors dsv4_jax/config.py and dsv4_jax/errors.py; tests compare the two.
 #pragma once
 

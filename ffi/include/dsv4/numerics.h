@@ -1,5 +1,5 @@
 // Scalar numerics of the DSV4 cache, shared by the CPU handlers and the CUDA
-// kernels (DESIGN §3, §4). Every function is `__host__ __device__` and built
+// kernels (docs/design.md §3, §4). Every function is `__host__ __device__` and built
 // from integer bit operations or IEEE +, -, *, / only, so that host and device
 // produce the same bits. Nothing here may be compiled with fast math; the build
 // passes -fno-fast-math -ffp-contract=off (host) and --fmad=false (nvcc), so
@@ -64,7 +64,7 @@ DSV4_HD float BitsFloat(uint32_t u) {
 DSV4_HD bool IsNan(float f) { return (FloatBits(f) & 0x7fffffffu) > 0x7f800000u; }
 DSV4_HD bool IsFinite(float f) { return (FloatBits(f) & 0x7f800000u) != 0x7f800000u; }
 DSV4_HD bool Bf16IsFinite(uint16_t h) { return (h & 0x7f80u) != 0x7f80u; }
-// Whether a row of inputs holds no NaN or Inf (DESIGN §9: such a token is
+// Whether a row of inputs holds no NaN or Inf (docs/design.md §9: such a token is
 // dropped and counted as NONFINITE).
 DSV4_HD bool RowIsFinite(const uint16_t* bf16, int64_t n) {
   bool ok = true;

@@ -1,0 +1,70 @@
+// indexer_topk's mxfp4 key tiles: a ring of cp.async stages per warp, a logical block a tile.
+#pragma once
+
+#include <cstdint>
+
+#include "indexer_topk/launch_policy.h"
+
+namespace dsv4 {
+namespace indexer {
+namespace {  // internal linkage: see cuda/indexer_topk.cu
+
+// A tile in shared memory: the block's 32 packed keys (64 bytes each, rows
+// g and g + 1 of a quarter warp's 16-byte reads fill 32 distinct banks),
+// then its 32 scale words.
+// Two stages: one tile ahead of the one in use. On an H100 every deeper ring
+// tried (3, 4 or 7 stages, with 12 or 16 warps a CTA) made the score kernel
+// slower at B = 64, 64k.
+constexpr int kStages = 2;
+constexpr int kRowWords = kIndexPacked / 4;                  // 16
+constexpr int kScaleWord = kTile * kRowWords;                // 512
+constexpr int kTileWords = kScaleWord + kTile;               // 544
+constexpr int64_t kBlockKeyBytes = static_cast<int64_t>(kPerBlock) * kIndexPacked;     // 2048
+constexpr int64_t kBlockScaleBytes = static_cast<int64_t>(kPerBlock) * kIndexScales;   // 128
+constexpr int kRingBytes = kMmaWarps * kStages * kTileWords * 4;                      // dynamic
+
+// With an L2 eviction policy (StreamPolicy).
+__device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+               ::"r"(smem), "l"(gmem), "l"(policy)
+               : "memory");
+}
+// The key stream's L2 policy: evict_first where the keys are more than L2
+// holds (KeysEvictFirst), so that lines read once go before the rank keys
+// the select reads next; else evict_normal.
+__device__ __forceinline__ uint64_t StreamPolicy(bool evict_first) {
+  uint64_t p;
+  if (evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// A warp's view of its tiles: lane L copies 16-byte chunks L, L + 32, L + 64
+// and L + 96 of the keys and (lanes 0-7) chunk L of the scales.
+struct TileStream {
+  const uint8_t* packed;     // layer's packed keys + this lane's first chunk
+  const uint8_t* scale;      // layer's scale bytes + this lane's chunk
+  uint32_t dst;              // this lane's shared address in stage 0
+  int64_t N;
+  uint64_t policy;           // StreamPolicy
+
+  // Starts the copy of `block` into `stage`; nothing for a missing block.
+  __device__ __forceinline__ void Issue(int32_t block, int stage, int lane) const {
+    if (block < 0 || block >= N) return;
+    const uint32_t d = dst + static_cast<uint32_t>(stage) * kTileWords * 4;
+    const uint8_t* src = packed + static_cast<int64_t>(block) * kBlockKeyBytes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) CpAsync16(d + 512 * i, src + 512 * i, policy);
+    if (lane < 8)
+      CpAsync16(d + kScaleWord * 4, scale + static_cast<int64_t>(block) * kBlockScaleBytes, policy);
+  }
+};
+
+}  // namespace
+}  // namespace indexer
+}  // namespace dsv4

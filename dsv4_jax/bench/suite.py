@@ -1,0 +1,80 @@
+"""The ops benchmark, behind `python -m dsv4_jax bench` and benchmarks/run.py:
+per-op time, bandwidth (bytes the op must move over its time, inputs.py) and
+its share of a device copy of as many bytes (timing.py); flush at decode and
+prefill sizes; the cache work of a V4-Flash decode step, the FFI impl against
+the jnp reference. The FFI impl is "cuda" on a GPU, "cpu" on a CPU (smaller
+sizes there by default).
+
+    python -m dsv4_jax bench                       # everything: table, bench.json, bench.png
+    python -m dsv4_jax bench --quick               # the ops at two or three sizes
+    python -m dsv4_jax bench --ops append,gather_window --rows 1,64,64k
+    python -m dsv4_jax bench --markdown bench.json # a saved run's tables, for RESULTS.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+
+from .. import config as C
+from .._ui import UI
+from . import report
+from .decode_step import bench_flash_step
+from .options import add_options, fill_defaults
+from .ops import bench_append, bench_flush, bench_gather_all, bench_gather_topk, bench_gather_window
+from .timing import BenchRun, Settings
+
+
+def run(args, emit=print) -> dict:
+    """Every case `args` asks for; the numbers as the JSON holds them."""
+    b = BenchRun(Settings(args.reps, args.batch, args.with_reference), emit)
+    dev = jax.devices()[0]
+    emit(f"device: {dev.device_kind} ({b.platform}), impl {b.impl}, jax {jax.__version__}")
+    b.empty_call()
+    ops = set(args.ops)
+    cases = [(f"decode B={n}", n, 1) for n in args.flush_decode]
+    cases += [(f"prefill T={n}", 1, n) for n in args.flush_prefill]
+    per_op = {"append": bench_append, "gather_window": bench_gather_window,
+              "gather_topk": bench_gather_topk, "gather_all": bench_gather_all}
+    for fmt in args.formats:
+        for name, bench in per_op.items():
+            if name in ops:
+                bench(b, args.rows, fmt)
+        for kind in (C.CSA, C.HCA):
+            if f"flush_{kind}" in ops:
+                bench_flush(b, kind, cases, fmt)
+        if "flash_step" in ops:
+            bench_flash_step(b, args.step_batches, args.step_context, fmt)
+    return {"device": dev.device_kind, "platform": b.platform, "jax": jax.__version__,
+            "impl": b.impl, "errors": b.errors, "copy_gbps": b.copy_gbps, "rows": b.rows}
+
+
+def command(args, ui) -> int:
+    """Run, print the tables, write the JSON and the plot where asked."""
+    if args.markdown:
+        with open(args.markdown) as fh:
+            for line in report.markdown(json.load(fh)["rows"]):
+                ui.line(line)
+        return 0
+    fill_defaults(args)
+    data = run(args, emit=ui.line)
+    report.tables(data, ui)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=1)
+        ui.line(f"numbers written to {args.json}")
+    if args.plot:
+        report.plot(data, args.plot, ui)
+    if data["errors"]:    # a call that dropped rows did less work than it is credited with
+        ui.line(f"error: the ops counted bad input while timed, the numbers are void: "
+                f"{data['errors']}")
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    """benchmarks/run.py: the same options, no files unless asked, plain text."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_options(p)
+    return command(p.parse_args(argv), UI(plain=True))

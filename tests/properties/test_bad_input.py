@@ -1,0 +1,201 @@
+"""Bad input at run time (docs/design.md §9), property-based: random metadata with a
+fraction of bad rows (and rows with NaN/Inf inputs), on every implementation. Each op must give exactly the
+result of the same call with the bad rows turned into padding, leave every
+other byte alone, and count each bad row once under its kind."""
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import dsv4_jax as dj
+from dsv4_jax import config as C
+from dsv4_jax.errors import ErrorKind as K
+from dsv4_jax.workload import layer_params
+from support.trees import assert_trees_bytes_equal
+
+pytestmark = pytest.mark.usefixtures("impl_under_test")
+# DSV4_BAD_INPUT_EXAMPLES shrinks the run (tools/sanitize.sh, under compute-sanitizer)
+SETTINGS = settings(max_examples=int(os.environ.get("DSV4_BAD_INPUT_EXAMPLES", 12)),
+                    deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+T = 32                                   # fixed row count: one compile per op
+CFG = dj.CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=16)
+R, MAXCTX = CFG.max_requests, CFG.max_context
+
+
+def sentinel_state():
+    """Slots 0-2 hold requests with blocks for 512, 256 and 128 tokens; slot 3
+    has none (its tokens meet MISSING_BLOCK). Every pool byte is 0xA5."""
+    m = dj.CacheManager(CFG)
+    for _ in range(3):
+        m.admit()
+    state = dj.apply_step(dj.init_state(CFG), m.prepare_step({0: 512, 1: 256, 2: 128}),
+                          impl="reference")
+
+    def fill(x):
+        raw = np.full(x.size * x.dtype.itemsize, 0xA5, np.uint8)
+        return jnp.asarray(raw.view(x.dtype).reshape(x.shape))
+    pools = jax.tree_util.tree_map(fill, (state.swa.kv, state.csa.kv, state.csa.index, state.hca.kv))
+    return dataclasses.replace(
+        state, swa=dataclasses.replace(state.swa, kv=pools[0]),
+        csa=dataclasses.replace(state.csa, kv=pools[1], index=pools[2]),
+        hca=dataclasses.replace(state.hca, kv=pools[3]))
+
+
+BASE = sentinel_state()
+
+
+def meta_of(slot, pos):
+    return dj.StepMeta.build(token_slot=slot, token_pos=pos, lengths=np.zeros(R, np.int32),
+                             new_blocks=np.full((1, 3), -1), reset_slots=[-1])
+
+
+bad_slot = st.one_of(st.integers(R, R + 50), st.integers(-1000, -2))
+bad_pos = st.one_of(st.integers(-1000, -1), st.integers(MAXCTX, MAXCTX + 1000))
+
+
+@st.composite
+def token_rows(draw, contiguous: bool):
+    """T rows: per request contiguous positions from 0 (for flush) or random
+    positions (for append), padding, and bad rows of each kind. Returns
+    (slot, pos, kind) with kind 0 valid, 1 pad, 2 bad slot, 3 bad pos,
+    4 missing block (slot 3), 5 a valid row whose inputs the test makes NaN/Inf."""
+    slot, pos, kind = [], [], []
+    nxt = {0: 0, 1: 0, 2: 0, 3: 0}
+    for _ in range(T):
+        k = draw(st.sampled_from([0, 0, 0, 1, 2, 3, 4, 5]))
+        if k == 0:
+            s = draw(st.integers(0, 2))
+            p = nxt[s] if contiguous else draw(st.integers(0, MAXCTX - 1))
+            nxt[s] += 1
+        elif k == 1:
+            s, p = -1, draw(st.integers(-5, 5))
+        elif k == 2:
+            s, p = draw(bad_slot), draw(st.integers(0, 100))
+        elif k == 3:
+            s, p = draw(st.integers(0, 2)), draw(bad_pos)
+        elif k == 4:
+            s, p = 3, nxt[3]
+            nxt[3] += 1
+        else:             # takes the next position without consuming it
+            s = draw(st.integers(0, 2))
+            p = nxt[s] if contiguous else draw(st.integers(0, MAXCTX - 1))
+        slot.append(s), pos.append(p), kind.append(k)
+    return np.array(slot, np.int32), np.array(pos, np.int32), np.array(kind)
+
+
+def expected_counts(kind, missing_counts=True):
+    c = {K.BAD_SLOT: int(np.sum(kind == 2)), K.BAD_POSITION: int(np.sum(kind == 3)),
+         K.MISSING_BLOCK: int(np.sum(kind == 4)) if missing_counts else 0,
+         K.NONFINITE: int(np.sum(kind == 5))}
+    return {k: v for k, v in c.items() if v}
+
+
+def poison_rows(arrays, kind, rng):
+    """NaN, +Inf or -Inf in one channel of one of `arrays` per kind-5 row."""
+    arrays = [np.array(a, np.float32) for a in arrays]
+    for t in np.flatnonzero(kind == 5):
+        a = arrays[rng.integers(len(arrays))]
+        a[t, rng.integers(a.shape[1])] = rng.choice([np.nan, np.inf, -np.inf])
+    return arrays
+
+
+def counts_delta(new, old):
+    d = np.asarray(new.errors) - np.asarray(old.errors)
+    return {K(i): int(v) for i, v in enumerate(d) if v}
+
+
+def padded(slot, kind, drop):
+    slot = slot.copy()
+    slot[np.isin(kind, drop)] = -1
+    return slot
+
+
+_append = jax.jit(lambda s, m, kv: dj.append(s, 0, m, kv))
+
+
+@SETTINGS
+@given(rows=token_rows(contiguous=False), seed=st.integers(0, 2**31 - 1))
+def test_append_drops_exactly_the_bad_rows(rows, seed):
+    slot, pos, kind = rows
+    rng = np.random.default_rng(seed)
+    kv, = poison_rows([rng.normal(0, 2, (T, 512))], kind, rng)
+    kv = jnp.asarray(kv, jnp.bfloat16)
+    got = _append(BASE, meta_of(slot, pos), kv)
+    want = _append(BASE, meta_of(padded(slot, kind, [2, 3, 5]), pos), kv)
+    # slot 3 has no blocks, but the window needs none: kind 4 rows are valid here
+    assert counts_delta(got, BASE) == expected_counts(kind, missing_counts=False)
+    assert counts_delta(want, BASE) == {}
+    assert_trees_bytes_equal(dataclasses.replace(got, errors=want.errors), want)
+
+
+_flush = jax.jit(lambda s, m, x, z, ix, iz, p: dj.flush(s, 1, m, x, z, p, index_kv=ix,
+                                                          index_score=iz))
+PARAMS = layer_params(CFG, seed=9)[1]
+
+
+@SETTINGS
+@given(rows=token_rows(contiguous=True), seed=st.integers(0, 2**31 - 1))
+def test_flush_drops_exactly_the_bad_rows(rows, seed):
+    slot, pos, kind = rows
+    rng = np.random.default_rng(seed)
+    x, z, ix, iz = map(jnp.asarray, poison_rows(
+        [rng.normal(0, 2, (T, 1024)), rng.normal(0, 2, (T, 1024)),
+         rng.normal(0, 2, (T, 256)), rng.normal(0, 2, (T, 256))], kind, rng))
+    got = _flush(BASE, meta_of(slot, pos), x, z, ix, iz, PARAMS)
+    want = _flush(BASE, meta_of(padded(slot, kind, [2, 3, 4, 5]), pos), x, z, ix, iz, PARAMS)
+    assert counts_delta(got, BASE) == expected_counts(kind)
+    assert counts_delta(want, BASE) == {}
+    assert_trees_bytes_equal(dataclasses.replace(got, errors=want.errors), want)
+    for leaf in jax.tree_util.tree_leaves(got):    # no NaN stored, no 0xFF scale
+        if leaf.dtype == jnp.float8_e8m0fnu:
+            assert not np.any(np.asarray(leaf).view(np.uint8) == 0xFF)
+        elif leaf.dtype != jnp.int32 and leaf.dtype != jnp.uint8:
+            assert not np.any(np.isnan(np.asarray(leaf, np.float32)))
+    # nothing outside the blocks of slots 0-2 changed (sentinel bytes intact)
+    table = np.asarray(BASE.block_table)
+    used = sorted(set(table[:3][table[:3] >= 0].tolist()))
+    unused = [b for b in range(CFG.num_blocks) if b not in used]
+    for leaf in jax.tree_util.tree_leaves((got.csa.kv, got.csa.index)):
+        assert np.all(np.asarray(leaf)[:, unused].view(np.uint8) == 0xA5)
+
+
+_gathers = jax.jit(lambda s, sl, tp, ix, ln: (
+    dj.gather_window(s, 0, sl, return_state=True),
+    dj.gather_topk(s, 1, sl, tp, ix, return_state=True),
+    dj.gather_all(s, 2, sl, ln, 4, return_state=True)))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_gathers_give_zero_rows_for_bad_rows_and_count_them(data):
+    B = 8
+    kinds = np.array(data.draw(st.lists(st.sampled_from([0, 0, 1, 2]), min_size=B, max_size=B)))
+    slot = np.array([data.draw(st.integers(0, 3)) if k == 0 else -1 if k == 1 else
+                     data.draw(bad_slot) for k in kinds], np.int32)
+    tpos = np.array(data.draw(st.lists(st.integers(0, MAXCTX - 1), min_size=B, max_size=B)),
+                    np.int32)
+    idx = np.array(data.draw(st.lists(st.lists(st.integers(-3, 140), min_size=4, max_size=4),
+                                      min_size=B, max_size=B)), np.int32)
+    lengths = np.array(data.draw(st.lists(st.integers(-5, MAXCTX + 200), min_size=B,
+                                          max_size=B)), np.int32)
+    got = _gathers(BASE, slot, tpos, idx, lengths)
+    clean_slot = padded(slot, kinds, [2])
+    want = _gathers(BASE, clean_slot, tpos, idx, lengths)
+    for g, w, name in zip(got, want, ("window", "topk", "all")):
+        for a, b in zip(g[:2], w[:2]):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype != bool else a,
+                                          np.asarray(b).view(np.uint8) if b.dtype != bool else b,
+                                          err_msg=name)
+        assert counts_delta(g[2], w[2]) == ({K.BAD_SLOT: int(np.sum(kinds == 2))}
+                                            if np.any(kinds == 2) else {}), name
+    # bad slots read nothing
+    bad = kinds == 2
+    assert not np.asarray(got[0][0], np.float32)[bad].any()
+    assert np.all(np.asarray(got[0][1])[bad] == -1)
+    assert not np.asarray(got[1][1])[bad].any() and not np.asarray(got[2][1])[bad].any()

@@ -1,0 +1,92 @@
+"""dsv4_jax/bench_step.py: the decode-step benchmark runs end to end on the
+CPU and reports its fields; its step does the same cache work as the jnp
+reference; its timeline summary counts what it is given."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import dsv4_jax as dj
+from dsv4_jax import bench_step as bs
+from dsv4_jax import config as C
+from conftest import requires_cpu_ffi
+
+
+def test_layer_plan_splits_the_presets_into_prefix_and_repeated_pair():
+    assert bs.layer_plan(dj.CacheConfig.flash(1, 512).layer_kinds) == (3, (C.HCA, C.CSA), 20)
+    # Pro: HCA, then (HCA, CSA) x 30
+    assert bs.layer_plan(dj.CacheConfig.pro(1, 512).layer_kinds) == (1, (C.HCA, C.CSA), 30)
+    assert bs.layer_plan(dj.CacheConfig.tiny().layer_kinds) == (2, (C.HCA, C.CSA), 1)
+
+
+def test_variant_names_round_trip():
+    for text in ("base", "no-return-state", "fused-write+unroll", "no-return-state+unroll"):
+        assert bs.Variant.parse(text).name == text
+    with pytest.raises(ValueError, match="variant"):
+        bs.Variant.parse("rolled")
+
+
+def test_timeline_summary_of_two_hand_made_steps():
+    append = "dsv4::(anonymous namespace)::AppendKernel(dsv4::(anonymous namespace)::AppendArgs)"
+    events = [(0, 10_000, append), (12_000, 1_000, "memcpy32_post"),
+              (14_000, 2_000, "loop_add_fusion"),
+              (100_000, 20_000, append), (121_000, 1_000, "memcpy32_post"),
+              (123_000, 2_000, "loop_add_fusion")]
+    s = bs.timeline_summary(events, steps=2, layers=1)
+    assert s["split"] and s["kernels_per_step"] == 3 and s["kernels_per_layer"] == 3
+    assert s["cache_kernels_per_layer"] == 2 and s["copy_kernels_per_step"] == 1
+    assert s["busy_us"] == 18.0 and s["cache_busy_us"] == 16.0
+    assert s["span_us"] == (16.0 + 25.0) / 2          # steps span 16 and 25 us
+    by_name = {k["name"]: k for k in s["kernels"]}
+    assert by_name["AppendKernel"] == {"name": "AppendKernel", "kind": "cache", "count": 1,
+                                       "total_us": 15.0, "mean_us": 15.0}
+    assert by_name["memcpy32_post"]["kind"] == "copy"
+    assert by_name["loop_add_fusion"]["kind"] == "other"
+    assert [k["name"] for k in s["kernels"]][0] == "AppendKernel"   # most time first
+
+
+@requires_cpu_ffi
+def test_step_does_the_reference_cache_work():
+    """Every variant's h and state equal the jnp reference's on a filled
+    state that no op counts as bad input: bit for bit, but for the
+    online-softmax accumulators, whose expf differs by a few ulps between
+    XLA and libm (ffi/include/dsv4/numerics.h)."""
+    B, ctx = 2, 512
+    cfg = dj.CacheConfig.tiny(max_requests=B, max_context=ctx)
+    x = bs.step_inputs(B, ctx)
+    results = {}
+    for impl, variant in [("reference", "base"), ("cpu", "base"), ("cpu", "no-return-state"),
+                          ("cpu", "unroll")]:
+        state, h = bs.make_step(cfg, ctx, bs.Variant.parse(variant), impl)(
+            bs.filled_state(cfg, ctx), x)
+        results[impl, variant] = jax.tree_util.tree_map(np.asarray, (state, h))
+    ref_state, ref_h = results["reference", "base"]
+    assert not ref_state.errors.any()
+    assert np.abs(ref_h).sum() > 0     # the gathers found entries
+    for key, (state, h) in results.items():
+        np.testing.assert_array_equal(h, ref_h, err_msg=str(key))
+        for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state),
+                                     jax.tree_util.tree_leaves(ref_state)):
+            where = f"{key} {jax.tree_util.keystr(path)}"
+            if where.endswith("comp"):   # atol: a weighted sum that cancels keeps the
+                # absolute error of its terms, which are of order 1
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=where)
+            else:
+                np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8),
+                                              err_msg=where)
+
+
+@requires_cpu_ffi
+def test_quick_run_reports_its_fields(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert bs.main(["--quick", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["B"], row["context"], row["model"], row["variant"]) == (1, 512, "flash", "base")
+    assert row["host_ms"] > 0 and row["first_call_s"] > 0
+    assert row["errors"] == [0] * 8
+    if jax.default_backend() == "gpu":
+        assert row["kernels_per_step"] > 0 and row["span_us"] > 0
+    assert "| 1 | 512 | base |" in capsys.readouterr().out

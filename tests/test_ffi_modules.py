@@ -1,0 +1,40 @@
+"""What each compiled module holds: the ops modules only the ops; the
+test-only targets (the numerics probes, dsv4_noop) only in the testing
+modules, which a default build does not make (CMake option
+DSV4_BUILD_TESTING)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv4_jax import _ffi
+
+OPS = {"dsv4_apply_step", "dsv4_append", "dsv4_flush_csa", "dsv4_flush_hca", "dsv4_gather_window",
+       "dsv4_gather_topk", "dsv4_gather_all", "dsv4_indexer_topk"}
+
+
+@pytest.mark.parametrize("name", ["_dsv4_cpu", "_dsv4_cuda"])
+def test_ops_module_holds_only_the_ops(name):
+    module = pytest.importorskip(f"dsv4_jax.{name}")
+    assert set(module.registrations()) == OPS
+    assert not hasattr(module, "numerics")
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_testing_module_holds_the_noop_and_the_probes(platform):
+    testing = _ffi.testing_module(platform)
+    if testing is None:
+        pytest.skip(f"no {platform} testing module loaded ({_ffi.TESTING_BUILD})")
+    assert set(testing.registrations()) == {"dsv4_noop"}
+    assert _ffi.has_target(platform, "dsv4_noop")
+    assert hasattr(testing.numerics, "bf16_bits")
+
+
+def test_noop_returns_its_operand_on_the_cpu():
+    if not _ffi.has_target("cpu", "dsv4_noop") or jax.default_backend() != "cpu":
+        pytest.skip(f"no CPU testing module, or the default backend is not the CPU "
+                    f"({_ffi.TESTING_BUILD})")
+    noop = jax.ffi.ffi_call("dsv4_noop", jax.ShapeDtypeStruct((5,), jnp.int32),
+                            input_output_aliases={0: 0})
+    x = np.arange(5, dtype=np.int32) * 7
+    np.testing.assert_array_equal(jax.jit(noop)(jnp.asarray(x)), x)
