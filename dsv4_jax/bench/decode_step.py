@@ -52,11 +52,11 @@ def bench_flash_step(b, batches, ctx, fmt):
                           index_score=x["isc"], impl=impl)
             elif kind == C.HCA:
                 s = flush(s, layer, meta, x["hkv"], x["hsc"], ph, impl=impl)
-            out = [gather_window(s, layer, slots, impl=impl)]
+            out = [gather_window(s, layer, slots, impl=impl, return_state=False)]
             if kind == C.CSA:
-                out.append(gather_topk(s, layer, slots, tpos, idx, impl=impl))
+                out.append(gather_topk(s, layer, slots, tpos, idx, impl=impl, return_state=False))
             elif kind == C.HCA:
-                out.append(gather_all(s, layer, slots, lengths, ctx // C.HCA_RATIO, impl=impl))
+                out.append(gather_all(s, layer, slots, lengths, ctx // C.HCA_RATIO, impl=impl, return_state=False))
             return s, out
 
         def step(s, impl):
