@@ -86,10 +86,14 @@ def step_inputs(B, context, seed=0):
 
 def attend(h, rows, mask):
     """h plus the mean of the visible rows: a stand-in for attention that
-    reads every gathered row under its mask."""
-    w = mask.astype(F32)
-    w = w / jnp.maximum(w.sum(axis=1, keepdims=True), 1.0)
-    return h + jnp.sum(rows.astype(F32) * w[..., None], axis=1)
+    reads every gathered row under its mask, and costs about that read.
+    Written as a dot of the 0/1 mask with the bf16 rows, accumulated in f32,
+    so that XLA emits one dot per read; the product broadcast over the rows
+    and summed that it replaces compiled to a reduction over the middle axis
+    (35 µs a layer at B = 64 for gather_all's 2 MB on an H100)."""
+    total = jnp.einsum("bs,bsd->bd", mask.astype(rows.dtype), rows, preferred_element_type=F32)
+    count = jnp.sum(mask, axis=1, keepdims=True, dtype=F32)
+    return h + total / jnp.maximum(count, 1.0)
 
 
 def make_step(cfg, context, variant, impl="auto"):
