@@ -115,7 +115,8 @@ def timeline_summary(events, steps, layers):
                      "total_us": v["ns"] / 1e3 / steps, "mean_us": v["ns"] / 1e3 / v["count"]}
                     for k, v in names.items()), key=lambda r: -r["total_us"])
     count = {kind: sum(r["count"] for r in table if r["kind"] == kind) for kind in KINDS}
-    return {"kernels_per_step": len(events) / steps, "kernels_per_layer": len(events) / steps / layers,
+    n = len(events) / steps
+    return {"kernels_per_step": n, "kernels_per_layer": n / layers,
             "cache_kernels_per_layer": (count["cache"] + count["copy"]) / layers,
             "other_kernels_per_layer": count["other"] / layers,
             "copy_kernels_per_step": count["copy"],
