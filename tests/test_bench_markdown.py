@@ -15,10 +15,10 @@ def test_markdown_tables_from_saved_rows(tmp_path, capsys):
         {"op": "flush_hca", "case": "prefill T=4096", "T": 4096, "us": 2700.0, "impl": "cuda",
          "fmt": "ds_fp8", "vs_empty": 1350.0},
         {"op": "flash_decode_step", "B": 8, "ctx": 4096, "impl": "cuda", "ms": 2.5,
-         "first_call_s": 0.4, "fmt": "ds_fp8"},
+         "first_call_s": 0.4, "fmt": "ds_fp8", "span_us": 2412.34, "busy_us": 1800.0,
+         "cache_busy_us": 1500.5, "kernels_per_layer": 6.5, "cache_kernels_per_layer": 4.25},
         {"op": "flash_decode_step", "B": 8, "ctx": 4096, "impl": "reference", "ms": 5.25,
          "first_call_s": 6.0, "fmt": "ds_fp8"},
-        {"op": "flash_decode_step", "B": 8, "ctx": 4096, "speedup": 2.1},
     ]
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"device": "x", "platform": "gpu", "jax": "0", "rows": rows}))
@@ -29,4 +29,5 @@ def test_markdown_tables_from_saved_rows(tmp_path, capsys):
     assert "| gather_topk | 4096 rows (T=8, k=512) | 25.00 | 1500 | 80 | 50 | 12.5 |" in lines
     assert "| flush_csa | decode B=8 T=8 | 13.00 |  |  |  | 6.5 |" in lines
     assert "| flush_hca | prefill T=4096 | 2700.00 |  |  |  | 1350.0 |" in lines
-    assert "| 8 | 2.500 | 5.250 | 2.1× |" in lines
+    assert "| 8 | 4096 | cuda | 2.500 | 2412.3 | 1800.0 | 1500.5 | 6.50 | 4.25 |" in lines
+    assert "| 8 | 4096 | reference | 5.250 | – | – | – | – | – |" in lines   # no timeline

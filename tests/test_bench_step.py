@@ -1,4 +1,4 @@
-"""dsv4_jax/bench_step.py: the decode-step benchmark runs end to end on the
+"""dsv4_jax/bench/model_step*.py: the decode-step benchmark runs end to end on the
 CPU and reports its fields; its step does the same cache work as the jnp
 reference; its timeline summary counts what it is given."""
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax import bench_step as bs
+from dsv4_jax.bench import device_timeline, filled_state, model_step as bs, model_step_bench
 from dsv4_jax import config as C
 from conftest import requires_cpu_ffi
 
@@ -33,9 +33,10 @@ def test_timeline_summary_of_two_hand_made_steps():
               (14_000, 2_000, "loop_add_fusion"),
               (100_000, 20_000, append), (121_000, 1_000, "memcpy32_post"),
               (123_000, 2_000, "loop_add_fusion")]
-    s = bs.timeline_summary(events, steps=2, layers=1)
+    s = device_timeline.timeline_summary(events, steps=2, layers=1)
     assert s["split"] and s["kernels_per_step"] == 3 and s["kernels_per_layer"] == 3
     assert s["cache_kernels_per_layer"] == 2 and s["copy_kernels_per_step"] == 1
+    assert s["other_kernels_per_layer"] == 1
     assert s["busy_us"] == 18.0 and s["cache_busy_us"] == 16.0
     assert s["span_us"] == (16.0 + 25.0) / 2          # steps span 16 and 25 us
     by_name = {k["name"]: k for k in s["kernels"]}
@@ -44,6 +45,28 @@ def test_timeline_summary_of_two_hand_made_steps():
     assert by_name["memcpy32_post"]["kind"] == "copy"
     assert by_name["loop_add_fusion"]["kind"] == "other"
     assert [k["name"] for k in s["kernels"]][0] == "AppendKernel"   # most time first
+
+
+def test_kernel_sequence_of_a_hand_made_step():
+    """Layers start at each launch of the step's first cache kernel; names
+    are cut at the parenthesis matching the final one."""
+    append = "dsv4::(anonymous namespace)::AppendKernel(dsv4::(anonymous namespace)::AppendArgs)"
+    window = "dsv4::(anonymous namespace)::GatherWindowKernel(dsv4::GatherWindowArgs)"
+    step = []
+    for layer in range(3):
+        t = layer * 100_000
+        step += [(t, 5_000, append), (t + 6_000, 3_000, window),
+                 (t + 10_000, 1_000, "memcpy32_post"), (t + 12_000, 2_000, "loop_add_fusion")]
+    seq, why = device_timeline.kernel_sequence(step, layers=3, first=1)
+    assert why is None
+    assert [(k["name"], k["kind"]) for k in seq] == [
+        ("AppendKernel", "cache"), ("GatherWindowKernel", "cache"), ("memcpy32_post", "copy"),
+        ("loop_add_fusion", "other")] * 2
+    assert (seq[0]["start_us"], seq[0]["us"], seq[0]["gap_us"]) == (0.0, 5.0, 86.0)
+    assert (seq[1]["start_us"], seq[1]["us"], seq[1]["gap_us"]) == (6.0, 3.0, 1.0)
+    assert seq[4]["start_us"] == 100.0 and seq[-1]["start_us"] == 112.0
+    seq, why = device_timeline.kernel_sequence(step, layers=4, first=1)
+    assert seq == [] and "3 launches of AppendKernel for 4 layers" in why
 
 
 @requires_cpu_ffi
@@ -59,7 +82,7 @@ def test_step_does_the_reference_cache_work():
     for impl, variant in [("reference", "base"), ("cpu", "base"), ("cpu", "no-return-state"),
                           ("cpu", "unroll")]:
         state, h = bs.make_step(cfg, ctx, bs.Variant.parse(variant), impl)(
-            bs.filled_state(cfg, ctx), x)
+            filled_state.filled_state(cfg, ctx), x)
         results[impl, variant] = jax.tree_util.tree_map(np.asarray, (state, h))
     ref_state, ref_h = results["reference", "base"]
     assert not ref_state.errors.any()
@@ -80,7 +103,7 @@ def test_step_does_the_reference_cache_work():
 @requires_cpu_ffi
 def test_quick_run_reports_its_fields(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert bs.main(["--quick", "--json", str(out)]) == 0
+    assert model_step_bench.main(["--quick", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1
     row = rows[0]
@@ -89,4 +112,5 @@ def test_quick_run_reports_its_fields(tmp_path, capsys):
     assert row["errors"] == [0] * 8
     if jax.default_backend() == "gpu":
         assert row["kernels_per_step"] > 0 and row["span_us"] > 0
+        assert 0 < row["cache_busy_us"] <= row["busy_us"] and row["sequence"]
     assert "| 1 | 512 | base |" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """GPU kernels of a jitted call as they ran: start, duration and name of each
 (CUPTI activity records read back through jax.profiler), so that a timing
 can leave out what the host adds (dispatch, the final sync) and a kernel's
-time can be told from its neighbours'.
+time can be told from its neighbours'; and what a run of identical steps
+spent where (cache kernels, the copies XLA adds between calls, the rest).
 
     events = kernel_events(fn, *args)     # [] where there is no GPU
 """
@@ -16,18 +17,41 @@ import tempfile
 import jax
 from jax.profiler import ProfileData
 
+KINDS = ("cache", "copy", "other")
+
 
 def kernel_name(demangled):
-    """ScoreKernelMxfp4 of 'dsv4::(anonymous namespace)::ScoreKernelMxfp4(dsv4::...)'."""
-    base = demangled[:demangled.rfind("(")] if demangled.endswith(")") else demangled
-    return base.split("::")[-1]
+    """AppendKernel of 'dsv4::(anonymous namespace)::AppendKernel(
+    dsv4::(anonymous namespace)::AppendArgs)': the parameter list ends at
+    the parenthesis matching the final one (the last '(' can sit inside it,
+    as in '(anonymous namespace)'), the name is what follows the last '::'
+    before it."""
+    depth, cut = 0, len(demangled)
+    if demangled.endswith(")"):
+        for i in range(len(demangled) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(demangled[i], 0)
+            if depth == 0:
+                cut = i
+                break
+    return demangled[:cut].split("::")[-1]
+
+
+def kernel_kind(demangled):
+    """"cache" (a dsv4 kernel), "copy" (memcpy and copy kernels, what XLA
+    adds between calls) or "other" (XLA's own fusions: the caller's work on
+    what the ops return, index arithmetic)."""
+    if "dsv4" in demangled:
+        return "cache"
+    low = demangled.lower()
+    return "copy" if "copy" in low or "memcpy" in low else "other"
 
 
 def kernel_events(fn, *args, runs=1):
-    """[(start_ns, duration_ns, name)] of the GPU activity of `runs` calls of
-    fn(*args), sorted by start (fn is called once before, so compiling is not
-    traced). Only the streams' lines: the profiler's "XLA Modules" and "XLA
-    Ops" lines of the same device repeat the kernels' time spans."""
+    """[(start_ns, duration_ns, demangled name)] of the GPU activity of
+    `runs` calls of fn(*args), sorted by start (fn is called once before, so
+    compiling is not traced). Only the streams' lines: the profiler's "XLA
+    Modules" and "XLA Ops" lines of the same device repeat the kernels' time
+    spans."""
     jax.block_until_ready(fn(*args))
     d = tempfile.mkdtemp()
     try:
@@ -57,3 +81,75 @@ def median_period_us(events, first_kernel):
     if len(starts) < 2:
         return None
     return statistics.median((b - a) / 1e3 for a, b in zip(starts, starts[1:]))
+
+
+def split_steps(events, steps):
+    """The events of `steps` identical calls traced back to back, one list a
+    call: each launches the same kernels, so they split by count. None if
+    the count does not divide."""
+    if not events or len(events) % steps:
+        return None
+    per = len(events) // steps
+    return [events[i * per:(i + 1) * per] for i in range(steps)]
+
+
+def timeline_summary(events, steps, layers):
+    """Per step, from the events of `steps` identical steps of `layers`
+    layers: kernel counts (all, per layer; per layer cache kernels with the
+    copies, and the others; copies), busy time (sum of durations: all, and
+    cache kernels with copies) and span (first start to last end, the median
+    over the steps), and per kernel name: kind, count, total and mean
+    microseconds. If the events do not split into steps, the span is that of
+    the whole trace over `steps` and `split` says so."""
+    chunks = split_steps(events, steps)
+    if chunks:
+        span = statistics.median((max(s + d for s, d, _ in c) - c[0][0]) / 1e3 for c in chunks)
+    else:
+        span = (max(s + d for s, d, _ in events) - events[0][0]) / 1e3 / steps
+    names = {}
+    for _, d, raw in events:
+        row = names.setdefault(kernel_name(raw), {"kind": kernel_kind(raw), "count": 0, "ns": 0})
+        row["count"] += 1
+        row["ns"] += d
+    table = sorted(({"name": k, "kind": v["kind"], "count": v["count"] / steps,
+                     "total_us": v["ns"] / 1e3 / steps, "mean_us": v["ns"] / 1e3 / v["count"]}
+                    for k, v in names.items()), key=lambda r: -r["total_us"])
+    count = {kind: sum(r["count"] for r in table if r["kind"] == kind) for kind in KINDS}
+    n = len(events) / steps
+    return {"kernels_per_step": n, "kernels_per_layer": n / layers,
+            "cache_kernels_per_layer": (count["cache"] + count["copy"]) / layers,
+            "other_kernels_per_layer": count["other"] / layers,
+            "copy_kernels_per_step": count["copy"],
+            "busy_us": sum(d for _, d, _ in events) / 1e3 / steps,
+            "cache_busy_us": sum(r["total_us"] for r in table if r["kind"] != "other"),
+            "span_us": span, "split": chunks is not None, "kernels": table}
+
+
+def kernel_sequence(step, layers, first, count=2):
+    """The kernels of layers first .. first+count-1 of one step's events, in
+    order: name, kind, start (µs from the first), duration and gap (µs from
+    the previous kernel's end; the first one's from the kernel before it).
+    A layer starts where the step's first cache kernel (its write) launches
+    again: each layer writes its token once, so that kernel launches
+    `layers` times a step. Each layer's window thus ends with the XLA work
+    that sits before the next layer's write. ([], reason) where the step does
+    not have that shape, (rows, None) otherwise."""
+    writer = next((kernel_name(n) for _, _, n in step if kernel_kind(n) == "cache"), None)
+    starts = [i for i, (_, _, n) in enumerate(step)
+              if kernel_kind(n) == "cache" and kernel_name(n) == writer]
+    if writer is None or len(starts) != layers:
+        return [], (f"{len(starts)} launches of {writer} for {layers} layers: no layer "
+                    "boundaries")
+    if first + count > layers:
+        return [], f"layers {first}..{first + count - 1} of {layers}"
+    lo = starts[first]
+    hi = starts[first + count] if first + count < layers else len(step)
+    t0 = step[lo][0]
+    rows = []
+    for i in range(lo, hi):
+        start, dur, raw = step[i]
+        prev_end = step[i - 1][0] + step[i - 1][1] if i else start
+        rows.append({"name": kernel_name(raw), "kind": kernel_kind(raw),
+                     "start_us": (start - t0) / 1e3, "us": dur / 1e3,
+                     "gap_us": (start - prev_end) / 1e3})
+    return rows, None

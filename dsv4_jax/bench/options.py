@@ -67,7 +67,7 @@ def add_options(p: argparse.ArgumentParser, json_default=None, plot_default=None
     p.add_argument("--reps", type=size, help="samples a case (the median is reported)")
     p.add_argument("--batch", type=size, help="calls a sample")
     p.add_argument("--with-reference", action="store_true",
-                   help="also time the jnp reference of each op (always done for the step)")
+                   help="also time the jnp reference of each op and of the step")
     p.add_argument("--quick", action="store_true",
                    help="fewer sizes and repeats, no decode step")
     p.add_argument("--json", metavar="PATH", default=json_default,

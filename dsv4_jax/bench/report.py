@@ -26,19 +26,18 @@ def _empty(rows):
     return next((r for r in rows if r["op"] == "empty"), None)
 
 
-def _steps(rows):
-    """{B: {impl: ms, "speedup": x}} of the decode-step rows."""
-    steps = {}
-    for r in rows:
-        if r["op"] == "flash_decode_step":
-            steps.setdefault(r["B"], {}).update(
-                {r["impl"]: r["ms"]} if "impl" in r else {"speedup": r["speedup"]})
-    return steps
+# The decode-step columns: (row key, heading, format); the timeline's exist on a GPU only
+STEP_COLUMNS = (("ms", "ms/step", ".3f"), ("span_us", "span µs", ".1f"),
+                ("busy_us", "busy µs", ".1f"), ("cache_busy_us", "cache+copy busy µs", ".1f"),
+                ("kernels_per_layer", "kernels/layer", ".2f"),
+                ("cache_kernels_per_layer", "cache+copy kernels/layer", ".2f"))
 
 
-def _step_impl(rows):
-    return next((r["impl"] for r in rows if r["op"] == "flash_decode_step"
-                 and r.get("impl", "reference") != "reference"), "cuda")
+def _step_rows(rows):
+    """The decode-step rows, one a (B, context, impl): [B, context, impl, cells]."""
+    return [[r["B"], r["ctx"], r["impl"]] + [format(r[k], f) if r.get(k) is not None else "–"
+                                              for k, _, f in STEP_COLUMNS]
+            for r in rows if r["op"] == "flash_decode_step" and "ms" in r]
 
 
 def tables(data, ui):
@@ -52,13 +51,10 @@ def tables(data, ui):
              [[r["op"], r["rows"], size_detail(r), r["impl"], f"{r['us']:,.2f}",
                f"{r['GBps']:,.2f}", f"{r['copy_pct']:.1f}", f"{r['vs_empty']:,.1f}"]
               for r in rows if "GBps" in r])
-    steps = _steps(rows)
+    steps = _step_rows(rows)
     if steps:
-        impl = _step_impl(rows)
-        ui.table("V4-Flash decode step (43 layers of cache work)",
-                 ["B", f"{impl} ms/step", "reference ms/step", "speedup"],
-                 [[B, f"{v.get(impl, float('nan')):.3f}", f"{v.get('reference', float('nan')):.3f}",
-                   f"{v.get('speedup', float('nan')):.1f}x"] for B, v in sorted(steps.items())])
+        ui.table("V4-Flash decode step as a model runs it (43 layers of cache work, outputs "
+                 "consumed)", ["B", "context", "impl"] + [h for _, h, _ in STEP_COLUMNS], steps)
 
 
 def markdown(rows):
@@ -76,14 +72,11 @@ def markdown(rows):
             share = f"{r['GBps'] / (10 * COPY_TBPS):.0f}" if "GBps" in r else ""
             lines.append(f"| {r['op']} | {size_label(r)} | {r['us']:.2f} | {gb} | {cp} | {share} "
                          f"| {r['vs_empty']:.1f} |")
-    steps = _steps(rows)
+    steps = _step_rows(rows)
     if steps:
-        impl = _step_impl(rows)
-        lines += ["", f"| B | {impl} ms/step | reference ms/step | speedup |", "|---:|---:|---:|---:|"]
-        for B, v in sorted(steps.items()):
-            lines.append(f"| {B} | {v.get(impl, float('nan')):.3f} | "
-                         f"{v.get('reference', float('nan')):.3f} | "
-                         f"{v.get('speedup', float('nan')):.1f}× |")
+        lines += ["", "| B | context | impl | " + " | ".join(h for _, h, _ in STEP_COLUMNS) + " |",
+                  "|---:|---:|---|" + "---:|" * len(STEP_COLUMNS)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in steps]
     return lines
 
 

@@ -1,9 +1,9 @@
 """The ops benchmark, behind `python -m dsv4_jax bench` and benchmarks/run.py:
 per-op time, bandwidth (bytes the op must move over its time, inputs.py) and
 its share of a device copy of as many bytes (timing.py); flush at decode and
-prefill sizes; the cache work of a V4-Flash decode step, the FFI impl against
-the jnp reference. The FFI impl is "cuda" on a GPU, "cpu" on a CPU (smaller
-sizes there by default).
+prefill sizes; the cache work of a V4-Flash decode step as a model runs it
+(model_step.py: ms a step and, on a GPU, its device timeline). The FFI impl
+is "cuda" on a GPU, "cpu" on a CPU (smaller sizes there by default).
 
     python -m dsv4_jax bench                       # everything: table, bench.json, bench.png
     python -m dsv4_jax bench --quick               # the ops at two or three sizes
@@ -19,11 +19,36 @@ import jax
 
 from .. import config as C
 from .._ui import UI
+from ..config import CacheConfig
 from . import report
-from .decode_step import bench_flash_step
+from .filled_state import filled_state
+from .model_step import Variant, measure_step, step_inputs
 from .options import add_options, fill_defaults
 from .ops import bench_append, bench_flush, bench_gather_all, bench_gather_topk, bench_gather_window
 from .timing import BenchRun, Settings
+
+
+# what a decode-step row keeps of measure_step's record (the JSON of
+# benchmarks/bench_decode_step.py has the per-kernel table and the sequence)
+STEP_FIELDS = ("first_call_s", "span_us", "busy_us", "cache_busy_us", "kernels_per_step",
+               "kernels_per_layer", "cache_kernels_per_layer", "other_kernels_per_layer",
+               "copy_kernels_per_step")
+
+
+def bench_flash_step(b, batches, context, fmt):
+    """The V4-Flash decode step as a model runs it (the base variant) at
+    `context` tokens a request for each B in `batches`, with each of the
+    run's impls on one filled state."""
+    for B in batches:
+        cfg = CacheConfig.flash(max_requests=B, max_context=context, kv_format=fmt)
+        box, x = [filled_state(cfg, context)], step_inputs(B, context)
+        for impl in b.impls:
+            r = measure_step(cfg, context, Variant(), impl, box, x, warm=1,
+                             reps=max(3, b.settings.reps // 3),
+                             loop=max(2, b.settings.batch // 4), trace_steps=3)
+            b.record(op="flash_decode_step", B=B, ctx=context, impl=impl, fmt=fmt,
+                     ms=r["host_ms"], **{k: r[k] for k in STEP_FIELDS if k in r})
+        b.count_errors(box[0])
 
 
 def run(args, emit=print) -> dict:
