@@ -125,14 +125,15 @@ def layer_ops(state, layer, kind, meta, x, p, topk, slots, impl):
                       index_kv=x["ikv"], index_score=x["iscore"], impl=impl)
     elif kind == C.HCA:
         state = flush(state, layer, meta, x["ckv"], x["score"], p, impl=impl)
-    kv, _ = gather_window(state, layer, slots, impl=impl)
+    kv, _, state = gather_window(state, layer, slots, impl=impl)
     total = jnp.sum(kv.astype(jnp.float32))
     if kind == C.CSA:
-        kv, valid = gather_topk(state, layer, meta.token_slot, meta.token_pos, topk, impl=impl)
+        kv, valid, state = gather_topk(state, layer, meta.token_slot, meta.token_pos, topk,
+                                       impl=impl)
         total += jnp.sum(kv.astype(jnp.float32)) + jnp.sum(valid)
     elif kind == C.HCA:
-        kv, count = gather_all(state, layer, slots, meta.lengths, cfg.max_blocks_per_request,
-                               impl=impl)
+        kv, count, state = gather_all(state, layer, slots, meta.lengths,
+                                      cfg.max_blocks_per_request, impl=impl)
         total += jnp.sum(kv.astype(jnp.float32)) + jnp.sum(count)
     return state, total
 

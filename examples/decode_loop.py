@@ -124,7 +124,7 @@ def indexer_topk(state, layer, meta, x, w, k):
     MXFP4 keys through the block table itself."""
     q = jnp.einsum("td,dhc->thc", x, w["wi_q"]) @ jnp.asarray(hadamard(), jnp.float32)
     return dj.indexer_topk(state, layer, meta.token_slot, meta.token_pos,
-                           q.astype(jnp.bfloat16), x @ w["wi_w"], k)
+                           q.astype(jnp.bfloat16), x @ w["wi_w"], k)   # (indices, state)
 
 
 def attention(q, kv, ok, sink):
@@ -159,14 +159,17 @@ def decode_step(state, meta, x, weights, params):
         w = weights[layer]
         state = write_cache(state, meta, x, weights, params, layer)
         # sliding window: after this step's append it ends at the token itself
-        win, wpos = dj.gather_window(state, layer, slot)                 # [T, 128, 512]
+        # each read returns the state too (its error counts): threading it on
+        # keeps every cache op in place, with no copies between them
+        win, wpos, state = dj.gather_window(state, layer, slot)          # [T, 128, 512]
         win_ok = (wpos >= 0) & (wpos <= pos[:, None]) & (wpos > pos[:, None] - C.WINDOW)
         if kind == C.CSA:
-            idx = indexer_topk(state, layer, meta, x, w, cfg.index_topk)
-            comp, comp_ok = dj.gather_topk(state, layer, slot, pos, idx)  # [T, k, 512]
+            idx, state = indexer_topk(state, layer, meta, x, w, cfg.index_topk)
+            comp, comp_ok, state = dj.gather_topk(state, layer, slot, pos, idx)  # [T, k, 512]
             picks[layer] = idx
         elif kind == C.HCA:
-            comp, count = dj.gather_all(state, layer, slot, length, cfg.max_blocks_per_request)
+            comp, count, state = dj.gather_all(state, layer, slot, length,
+                                               cfg.max_blocks_per_request)
             comp_ok = jnp.arange(comp.shape[1])[None, :] < count[:, None]
         else:
             comp = jnp.zeros((x.shape[0], 1, D), jnp.bfloat16)

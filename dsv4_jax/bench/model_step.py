@@ -108,7 +108,7 @@ def make_step(cfg, context, variant, impl="auto"):
         if variant.return_state:
             *outs, s = op(s, *args, impl=impl, return_state=True)
             return s, outs
-        outs = op(s, *args, impl=impl)
+        outs = op(s, *args, impl=impl, return_state=False)
         return s, list(outs) if isinstance(outs, tuple) else [outs]
 
     def write(s, layer, kind, x):

@@ -82,7 +82,7 @@ def bench_gather_window(b, rows_list, fmt):
             states.append(dataclasses.replace(st, swa=dataclasses.replace(st.swa, pos=pos)))
         slots = jnp.asarray(b.rng.permutation(B).astype(np.int32))
         n = B * C.WINDOW
-        times = time_reader(b, lambda s, l, impl: gather_window(s, l, slots, impl=impl), L, states)
+        times = time_reader(b, lambda s, l, impl: gather_window(s, l, slots, impl=impl, return_state=False), L, states)
         for impl, s in times.items():
             b.op_row("gather_window", n, s, n * (entry_bytes(fmt) + 4 + ROW + 4), inner=L,
                      impl=impl, fmt=fmt, B=B)
@@ -102,7 +102,7 @@ def bench_gather_topk(b, rows_list, fmt):
         idx = jnp.asarray(np.stack([b.rng.choice(ctx // C.CSA_RATIO, K, replace=False)
                                     for _ in range(T)]).astype(np.int32))
         n = T * K
-        times = time_reader(b, lambda s, l, impl: gather_topk(s, l, slot, pos, idx, impl=impl),
+        times = time_reader(b, lambda s, l, impl: gather_topk(s, l, slot, pos, idx, impl=impl, return_state=False),
                             L, states)
         for impl, s in times.items():
             b.op_row("gather_topk", n, s, n * (entry_bytes(fmt) + 4 + ROW + 1), inner=L,
@@ -119,7 +119,7 @@ def bench_gather_all(b, rows_list, fmt):
         slots = jnp.arange(B, dtype=jnp.int32)
         lengths = jnp.full((B,), E * C.HCA_RATIO, jnp.int32)
         n = B * E
-        times = time_reader(b, lambda s, l, impl: gather_all(s, l, slots, lengths, E, impl=impl),
+        times = time_reader(b, lambda s, l, impl: gather_all(s, l, slots, lengths, E, impl=impl, return_state=False),
                             L, states)
         for impl, s in times.items():
             b.op_row("gather_all", n, s, n * (entry_bytes(fmt) + 4 + ROW), inner=L, impl=impl,

@@ -1,10 +1,14 @@
 """Gathers: read cache entries back as dense BF16 for attention (docs/design.md §6).
 
-Each returns its outputs; with `return_state=True` also the state, whose
-`errors` counted the bad rows the gather dropped (the pools are untouched).
-Dropped or invisible rows are zero.
+Each returns its outputs and then the state, whose `errors` counted the bad
+rows the gather dropped (the pools are untouched): thread that state on, as
+the write ops' state is, and the count costs nothing. With
+`return_state=False` only the outputs come back and the call's counts are
+not kept (its `errors` result is then a scratch buffer, not aliased, so XLA
+copies nothing). Dropped or invisible rows are zero.
 
-FFI targets (operands in this order; `errors` aliased into the last result;
+FFI targets (operands in this order; `errors` aliased into the last result
+when the state is returned;
 the entry leaves nope, rope[, scale] come last, scale absent for bf16):
 "dsv4_gather_window"
   attrs  kv_format
@@ -62,6 +66,13 @@ def _sharded(fn, state, layer, rows, return_state, n_out=2):
     return run_sharded(body, state, rows, lay, outs)
 
 
+def _errors_alias(arg_index, return_state):
+    """The aliasing of the `errors` argument into the last result: only when
+    the state is returned. Aliasing a buffer the caller still holds (the
+    state it did not take back) makes XLA copy it before every call."""
+    return {arg_index: 2} if return_state else {}
+
+
 def _finish(state, outputs, errors, return_state):
     if not return_state:
         return outputs
@@ -69,7 +80,7 @@ def _finish(state, outputs, errors, return_state):
 
 
 def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "auto",
-                  return_state: bool = False):
+                  return_state: bool = True):
     """The sliding window of `slots[B]`: kv bf16[B, 128, 512] and pos i32[B, 128]
     in ring-slot order (pos -1 = empty, its row zero)."""
     check_state(state)
@@ -92,12 +103,12 @@ def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "au
             [jax.ShapeDtypeStruct((B, C.WINDOW, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((B, C.WINDOW), _I32),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            {3: 2}, kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
+            _errors_alias(3, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
     return _finish(state, (kv, pos), errors, return_state)
 
 
 def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
-                indices: jax.Array, *, impl: str = "auto", return_state: bool = False):
+                indices: jax.Array, *, impl: str = "auto", return_state: bool = True):
     """CSA entries `indices[T, k]` of each query token: kv bf16[T, k, 512] and
     valid bool[T, k]. A query at position t sees entries i < (t + 1) // 4."""
     check_state(state)
@@ -125,12 +136,12 @@ def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.
             [jax.ShapeDtypeStruct((T, k, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((T, k), jnp.bool_),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            {5: 2}, kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
+            _errors_alias(5, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
     return _finish(state, (kv, valid), errors, return_state)
 
 
 def gather_all(state: CacheState, layer, slots: jax.Array, lengths: jax.Array,
-               max_entries: int, *, impl: str = "auto", return_state: bool = False):
+               max_entries: int, *, impl: str = "auto", return_state: bool = True):
     """Every HCA entry of `slots[B]` with `lengths[B]` tokens: kv
     bf16[B, max_entries, 512] and count i32[B] = lengths // 128."""
     check_state(state)
@@ -156,5 +167,5 @@ def gather_all(state: CacheState, layer, slots: jax.Array, lengths: jax.Array,
             [jax.ShapeDtypeStruct((B, max_entries, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((B,), _I32),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            {4: 2}, kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
+            _errors_alias(4, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
     return _finish(state, (kv, count), errors, return_state)

@@ -2,7 +2,7 @@
 (docs/design.md §3, §4, §6).
 
 indexer_topk(state, layer, token_slot[T], token_pos[T], q bf16[T, 64, 128],
-             weights f32[T, 64], k) -> indices i32[T, k]
+             weights f32[T, 64], k) -> (indices i32[T, k], state)
 
 For query token t (slot s, position p) the candidates are the entries
 i < (p + 1) // 4 of request s in that CSA layer (capped at the block table:
@@ -19,8 +19,11 @@ Rules per token (gather_topk's): slot -1 -> all -1, nothing counted; slot
 outside [0, R) -> BAD_SLOT, all -1; pos < 0 -> BAD_POSITION, all -1; a
 logical block the token needs (j * 32 < visible count) whose table entry is
 outside [0, N) -> MISSING_BLOCK once for that block, its 32 entries are not
-candidates. A bad traced layer -> BAD_LAYER once, every row -1. With
-`return_state=True` the state comes back too, its `errors` updated.
+candidates. A bad traced layer -> BAD_LAYER once, every row -1. The state
+comes back after the indices, its `errors` updated; with
+`return_state=False` only the indices, and the call's counts are not kept
+(the `errors` result is then a scratch buffer, not aliased, so XLA copies
+nothing).
 
 Arithmetic (identical in the jnp reference, the C++ handler and the CUDA
 kernel, so the three return the same indices in the same order):
@@ -75,7 +78,7 @@ FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
         handlers' working memory, discarded), qscratch u8[T, 17664] for
         q_format 1, else u8[T, 0] (the CPU handler's rounded query;
         unused on CUDA, where each CTA rounds q into shared memory;
-        discarded), errors (aliased)
+        discarded), errors (aliased when the state is returned)
   attrs q_format 0 ("bf16") or 1 ("mxfp4")
 """
 from __future__ import annotations
@@ -103,7 +106,7 @@ QUERY_SCRATCH_BYTES = (2 * C.INDEX_HEADS * C.INDEX_DIM + 4 * C.INDEX_HEADS * C.I
 
 def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
                  q: jax.Array, weights: jax.Array, k: int, *, q_format: str = "mxfp4",
-                 impl: str = "auto", return_state: bool = False):
+                 impl: str = "auto", return_state: bool = True):
     """Top-k CSA entries per query token by indexer score: indices i32[T, k]
     (-1 padded), best first. `q_format`: "mxfp4" (default) rounds q to MXFP4
     first, as DeepSeek-V4's inference code does (exact block sums; the fast
@@ -143,7 +146,7 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
              jax.ShapeDtypeStruct((T, E), jnp.uint32),
              jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            {6: 3}, q_format=Q_FORMATS[q_format])
+            {6: 3} if return_state else {}, q_format=Q_FORMATS[q_format])
     if not return_state:
         return indices
     return indices, dataclasses.replace(state, errors=errors)

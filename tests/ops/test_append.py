@@ -35,7 +35,7 @@ def test_append_then_gather_window_roundtrip(fmt):
     kv[5, :64] = npq.bf16(kv[5, :64] * 1e-6)   # a tile below the amax floor
     layer = 2
     st = D.append(st, layer, meta_for(cfg, slots, pos), jnp.asarray(kv, jnp.bfloat16), impl="cpu")
-    out, wpos = D.gather_window(st, layer, jnp.array([1, 3, 0, -1], jnp.int32), impl="cpu")
+    out, wpos = D.gather_window(st, layer, jnp.array([1, 3, 0, -1], jnp.int32), impl="cpu", return_state=False)
     out, wpos = np.asarray(out.astype(jnp.float32)), np.asarray(wpos)
     assert errors(st).sum() == 0
     # slot 1: ring r holds position r for r < 10
@@ -66,7 +66,7 @@ def test_append_bad_tokens_dropped_and_counted():
     st = D.append(st, 0, meta_for(cfg, slots, pos), jnp.asarray(kv, jnp.bfloat16), impl="cpu")
     e = errors(st)
     assert e[EK.BAD_SLOT] == 2 and e[EK.BAD_POSITION] == 2 and e.sum() == 4
-    _, wpos = D.gather_window(st, 0, jnp.arange(4, dtype=jnp.int32), impl="cpu")
+    _, wpos = D.gather_window(st, 0, jnp.arange(4, dtype=jnp.int32), impl="cpu", return_state=False)
     wpos = np.asarray(wpos)
     assert wpos[0, 0] == 0 and (wpos[0, 1:] == -1).all() and (wpos[1:] == -1).all()
 
@@ -170,13 +170,13 @@ def test_window_collisions_largest_position_then_later_row():
                           token_pos=np.int32([300, 44, 172, 5, 5, 9]),
                           lengths=np.zeros(R, np.int32))
     state = jax.jit(lambda s: D.append(s, 2, meta, kv))(state)
-    out, pos = D.gather_window(state, 2, jnp.int32([0, 1, 2]))
+    out, pos = D.gather_window(state, 2, jnp.int32([0, 1, 2]), return_state=False)
     out, pos = np.asarray(out, np.float32), np.asarray(pos)
     ref = np.asarray(D.gather_window(
         jax.jit(lambda s: D.append(s, 2, StepMeta.build(
             token_slot=np.int32([0, 1, 2]), token_pos=np.int32([300, 5, 9]),
             lengths=np.zeros(R, np.int32)), kv[jnp.array([0, 4, 5])]))(D.init_state(CFG)),
-        2, jnp.int32([0, 1, 2]))[0], np.float32)
+        2, jnp.int32([0, 1, 2]), return_state=False)[0], np.float32)
     assert pos[0, 44] == 300 and pos[1, 5] == 5 and pos[2, 9] == 9
     assert (pos >= 0).sum() == 3
     np.testing.assert_array_equal(out, ref)       # rows 0, 4 (the later of the 5s), 5

@@ -188,9 +188,9 @@ step_fn = jax.jit(_step, donate_argnames=("state",))
 
 @functools.partial(jax.jit, static_argnames=("max_entries",))
 def gathers(state, win_slots, q_slot, q_pos, q_idx, all_slots, all_len, max_entries):
-    win = [D.gather_window(state, l, win_slots) for l in range(4)]
-    topk = [D.gather_topk(state, l, q_slot, q_pos, q_idx) for l in (1, 3)]
-    hca = D.gather_all(state, 2, all_slots, all_len, max_entries)
+    win = [D.gather_window(state, l, win_slots, return_state=False) for l in range(4)]
+    topk = [D.gather_topk(state, l, q_slot, q_pos, q_idx, return_state=False) for l in (1, 3)]
+    hca = D.gather_all(state, 2, all_slots, all_len, max_entries, return_state=False)
     return win, topk, hca
 
 
