@@ -64,6 +64,7 @@ MEMCHECK_ARGS=(tests/numerics/test_numerics_gpu.py tests/ops/test_apply_step.py
                tests/ops/test_gather_topk.py tests/ops/test_gather_all.py
                tests/properties/test_row_and_layer_rules.py
                tests/properties/test_isolation.py tests/ops/test_indexer_topk.py
+               tests/ops/test_indexer_topk_scores.py tests/ops/test_indexer_topk_select.py
                --deselect "tests/properties/test_cuda_replay.py::test_replay_equals_reference_and_repeats[ds_fp8-100]")
 # shared-memory kernels: append and flush (CSA and HCA, bad rows among good
 # ones), indexer_topk (its mxfp4 score kernel in pairs of warps on the small
@@ -72,7 +73,8 @@ MEMCHECK_ARGS=(tests/numerics/test_numerics_gpu.py tests/ops/test_apply_step.py
 # entries, 6 on an H100, so every warp wraps its ring of 2 cp.async stages;
 # its select in clusters of 4 CTAs there, handing keys over through
 # distributed shared memory)
-RACECHECK_ARGS=(tests/properties/test_cuda_replay.py tests/ops/test_indexer_topk.py
+RACECHECK_ARGS=(tests/properties/test_cuda_replay.py tests/ops/test_indexer_topk_scores.py
+                tests/ops/test_indexer_topk_select.py
                 -k "bad_rows_dropped_and_counted or handler_scores_bit_exact or long_context_many_ties or (select_spread_over_a_cluster and 262144)")
 
 # Which option filters kernels by name (--kernel-name in recent releases, --filter before).

@@ -14,7 +14,8 @@
 //   1     262144   one-thread | 16 columns, 4 tiles        no           8
 //
 // None of these changes a result bit: every kernel shape computes the same
-// scores and the same selection (tests/test_indexer.py runs each of them).
+// scores and the same selection (tests/ops/test_indexer_topk_scores.py and
+// tests/ops/test_indexer_topk_select.py run each of them).
 #pragma once
 
 #include <algorithm>

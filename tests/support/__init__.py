@@ -9,6 +9,8 @@ test file imports another: what two test files share lives here.
 - harness: a cache driven the way a model drives it, checked against the oracle
 - inplace: assertions that a jitted step updates the state in place
 - sharding: a sharded state cut into its shards
+- indexer: states, queries, float32 replays and float64 oracle of the
+  indexer_topk tests
 """
 import pathlib
 
