@@ -1,7 +1,90 @@
 """dsv4_jax: the KV cache of DeepSeek-V4 hybrid attention for JAX.
 
 State is a pytree of device buffers (`CacheState`); ops are functional and
-update the buffers in place under `jax.jit(..., donate_argnames=...)`.
+update the buffers in place under `jax.jit(..., donate_argnames=...)`. A step
+calls `apply_step` once, then per layer `append` (every layer), `flush` (CSA
+and HCA layers) and the reads: `gather_window`, `indexer_topk` and
+`gather_topk` (CSA), `gather_all` (HCA). docs/api.md is this package's
+reference, generated from its docstrings by tools/gen_api.py.
+
+Threading the state:
+
+Every op returns the state. The writes (`apply_step`, `append`, `flush`)
+return it alone; the reads (`gather_window`, `gather_topk`, `gather_all`,
+`indexer_topk`) return `(*outputs, state)` by default, the state's `errors`
+counting the rows they dropped. Pass that state to the next op: the chain of
+states is what lets XLA run the whole step in place. With
+`return_state=False` a read returns its outputs alone, its counts are not
+kept, and XLA, with nothing ordering that read before the next in-place
+write, may copy buffers to keep it safe.
+
+The layer argument:
+
+`layer` is the layer's global index in the model, `0 <= layer <
+config.num_layers` (`config.layer_kinds[layer]` is its kind), never its
+index among the layers of one kind: layer 2 of V4-Flash is its first CSA
+layer. It is a Python int or a traced integer scalar (cast to int32), for a
+model that runs its layers in `lax.scan` or `lax.fori_loop`. A Python int is
+checked when the step is traced: `ValueError` if it is out of range or of a
+kind the op does not take (`flush`: CSA or HCA; `gather_topk`,
+`indexer_topk`: CSA; `gather_all`: HCA; `append`, `gather_window`: any). A
+traced layer cannot raise: when it is out of range or of the wrong kind at
+run time the op counts `ErrorKind.BAD_LAYER` once in `state.errors`, writes
+nothing, and reads back zero rows (gathers) or all -1 (`indexer_topk`);
+`check_errors(state)` raises on the host afterwards. `flush` tells a traced
+layer's kind from the width of `kv` (1024 CSA, 512 HCA).
+
+Token rows:
+
+Per-token operands (`kv` of `append`; `kv`, `score`, `index_kv`,
+`index_score` of `flush`; `q`, `weights` of `indexer_topk`; `indices` of
+`gather_topk`) have one row per token of the step, in the order of
+`meta.token_slot` and `meta.token_pos`. `CacheManager.prepare_step({request:
+n, ...})` groups the rows by request, in the order of the mapping, each
+request's `n` new tokens at consecutive rows in increasing position;
+`manager.token_rows(request)` is the `slice` of that request's rows. The
+number of rows `T = meta.num_tokens` is the total padded up to a power of two
+(at least `min_tokens`) so that a jitted step sees few shapes; padding rows
+have slot -1 and every op ignores them, whatever their operand rows hold.
+Sharded (`dsv4_jax.sharding`), every per-token operand has `S * T` rows,
+shard after shard: rows `[k * T, (k + 1) * T)` are shard k's, with `T =
+manager.tokens_per_shard`, and `ShardedCacheManager.token_rows(request)`
+gives a request's rows in that axis. Per-request operands (`slots`,
+`lengths` of `gather_window` and `gather_all`) likewise have `S * B` rows,
+shard after shard, holding shard-local slots (`manager.slot_of(request)`).
+
+From the reads to attention:
+
+DeepSeek-V4 attention has one 512-wide KV head that serves as key and value
+(K = V) for every query head; the trailing 64 channels of every entry carry
+RoPE at the entry's position. For the query of a token at position `t`
+(`q: [H, 512]`, already roped), the keys are:
+
+- its window: `kv, pos, state = gather_window(state, layer, slots)` gives
+  `bf16[B, 128, 512]` and `i32[B, 128]` in ring order (not sorted); row j is
+  a key iff `pos[j] >= 0` and `t - 128 < pos[j] <= t`. In decode, `append`
+  the token first and gather after (`slots` can be `meta.token_slot`: one
+  window per token row). In a prefill chunk, gather the window before
+  `append` and attend over it and the chunk's own kv rows, causally.
+- CSA layers: `idx, state = indexer_topk(state, layer, meta.token_slot,
+  meta.token_pos, q_index, w_index, k)`, then `kv, valid, state =
+  gather_topk(state, layer, meta.token_slot, meta.token_pos, idx)`:
+  `bf16[T, k, 512]` and `bool[T, k]`; entry j is a key iff `valid[j]`
+  (visibility, `i < (t + 1) // 4`, is already applied).
+- HCA layers: `kv, count, state = gather_all(state, layer, slots, lengths,
+  E)`: `bf16[B, E, 512]` and `i32[B]`; entry i is a key iff `i < count` and
+  `i < (t + 1) // 128` (in decode, with `lengths` the lengths after the
+  step, `count` alone).
+
+Per head h, with every key's mask: `logits = q_h . key / sqrt(512)`
+(masked keys -inf); `m = max(max(logits), sink[h])`; `p = exp(logits - m) /
+(sum(exp(logits - m)) + exp(sink[h] - m))`; `out_h = sum_j p_j key_j`.
+`sink` is the layer's learned attention sink, one logit per head with no
+value (`layers.{i}.attn.attn_sink`, f32[H], in the official checkpoint).
+Then rotate the trailing 64 channels of `out_h` back by the query's position
+(inverse RoPE), as the official code does, since the values carry RoPE too.
+examples/decode_loop.py does all of this in a jitted decode step, and
+tests/test_example.py checks it against a dense float64 attention.
 """
 from . import _ffi  # registers the FFI targets of the compiled modules
 from . import sharding

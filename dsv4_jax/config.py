@@ -53,10 +53,18 @@ class CacheConfig:
     """Sizes of one cache. Use `flash()`, `pro()` or `tiny()` rather than the
     constructor unless you need a custom layer pattern.
 
-    compress_ratios: per layer 0 (SWA only), 4 (CSA) or 128 (HCA).
-    max_requests: R, request slots.
-    num_blocks: N, physical blocks of 128 tokens shared by all requests.
-    max_blocks_per_request: MB, columns of the block table (max context / 128).
+    compress_ratios         per layer 0 (SWA only), 4 (CSA) or 128 (HCA)
+    max_requests            R, request slots
+    num_blocks              N, physical blocks of 128 tokens shared by all requests
+    max_blocks_per_request  MB, columns of the block table (max context / 128)
+    kv_format               "ds_fp8" (default), "fp8_token" or "bf16" (see KVEntries)
+    index_topk              the model's top-k of CSA entries per query
+    model                   a label: "flash", "pro", "tiny" or "custom"
+    num_shards, shard_axis  set by `dsv4_jax.sharding.shard_config`; R and N
+                            are then global, split evenly over the shards
+
+    Frozen and hashable, so it can be a static argument of `jax.jit`; it is
+    the static part of `CacheState`.
     """
 
     compress_ratios: tuple[int, ...]
@@ -127,10 +135,12 @@ class CacheConfig:
     # ---- derived -------------------------------------------------------------
     @property
     def num_layers(self) -> int:
+        """L, layers of the model (every one has a sliding window)."""
         return len(self.compress_ratios)
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
+        """Per global layer: "swa", "csa" or "hca"."""
         return tuple(_KIND_OF_RATIO[r] for r in self.compress_ratios)
 
     def layers_of(self, kind: str) -> tuple[int, ...]:
@@ -139,10 +149,12 @@ class CacheConfig:
 
     @property
     def num_csa(self) -> int:
+        """Lc, CSA layers: the leading axis of the CSA pools."""
         return len(self.layers_of(CSA))
 
     @property
     def num_hca(self) -> int:
+        """Lh, HCA layers: the leading axis of the HCA pools."""
         return len(self.layers_of(HCA))
 
     def kind_index_table(self, kind: str) -> tuple[int, ...]:
@@ -167,9 +179,11 @@ class CacheConfig:
 
     @property
     def max_context(self) -> int:
+        """Most tokens one request can hold: MB * 128."""
         return self.max_blocks_per_request * BLOCK_TOKENS
 
     def blocks_for_context(self, tokens: int) -> int:
+        """Physical blocks a request of `tokens` tokens occupies."""
         return blocks_for_tokens(tokens)
 
     @staticmethod
@@ -179,6 +193,7 @@ class CacheConfig:
 
     @property
     def sharded(self) -> bool:
+        """Whether the R and N axes are split over several shards."""
         return self.num_shards > 1
 
     def local(self) -> "CacheConfig":
@@ -191,6 +206,7 @@ class CacheConfig:
                                    num_shards=1, shard_axis=None)
 
     def replace(self, **changes) -> "CacheConfig":
+        """A copy with the given fields changed (checked like the constructor)."""
         return dataclasses.replace(self, **changes)
 
 

@@ -44,6 +44,11 @@ def bucket(n: int, minimum: int = 1) -> int:
 class CacheManager:
     """Admits and releases requests, allocates blocks, builds `StepMeta`.
 
+    Plain Python on the host, no device sync: one per cache (a sharded cache
+    uses `dsv4_jax.sharding.ShardedCacheManager`). Request ids are any
+    hashable. Each step: `prepare_step({request: new tokens})` gives the
+    StepMeta whose token rows the model fills (see "Token rows").
+
     `shard` only labels error messages (one manager per shard, docs/design.md §10)."""
 
     def __init__(self, config: CacheConfig, *, shard: int | None = None):
@@ -59,27 +64,36 @@ class CacheManager:
     # ---- queries ---------------------------------------------------------------
     @property
     def free_slots(self) -> int:
+        """Request slots not in use."""
         return len(self._free_slots)
 
     @property
     def free_blocks(self) -> int:
+        """Physical blocks not in use."""
         return len(self._free_blocks)
 
     @property
     def requests(self) -> tuple:
+        """Ids of the admitted requests, in order of admission."""
         return tuple(self._requests)
 
     def slot_of(self, request_id) -> int:
+        """The request's slot: its row of the block table, the windows and
+        the accumulators (KeyError if not admitted)."""
         return self._request(request_id).slot
 
     def length_of(self, request_id) -> int:
+        """Tokens of the request in the cache, those of the last step included."""
         return self._request(request_id).length
 
     def blocks_of(self, request_id) -> tuple[int, ...]:
+        """The request's physical blocks, one per 128 tokens, in order."""
         return tuple(self._request(request_id).blocks)
 
     def token_rows(self, request_id) -> slice:
-        """Rows of `request_id`'s tokens in the last `prepare_step`."""
+        """Rows of `request_id`'s tokens in the last `prepare_step`: a slice of
+        the step's T token rows, empty for 0 tokens; KeyError if the request
+        was not in that step's mapping."""
         return self._token_rows[request_id]
 
     def _where(self) -> str:

@@ -33,6 +33,7 @@ class MemoryReport:
 
     @property
     def per_shard(self) -> int:
+        """Bytes of the state on each shard."""
         return self.total // self.num_shards
 
     def per_request(self, context: int) -> int:
@@ -42,6 +43,8 @@ class MemoryReport:
         return self.window_per_request + self.compressor_per_request + blocks * self.per_block
 
     def table(self) -> str:
+        """The report as plain-text lines: bytes and MiB per pool, then the
+        per-token and per-request figures."""
         rows = [(name, b) for name, b in self.pools.items()] + [("total", self.total)]
         width = max(len(r[0]) for r in rows)
         lines = [f"{'pool':<{width}}  {'bytes':>16}  {'MiB':>12}"]

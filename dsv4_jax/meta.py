@@ -23,6 +23,11 @@ class StepMeta:
     lengths     i32[R]      tokens of each slot after this step (0 = free)
     new_blocks  i32[NB, 3]  (slot, logical block, physical block), -1 rows = padding
     reset_slots i32[NR]     slots of newly admitted requests, -1 = padding
+
+    Static sizes: num_tokens T, num_requests R (per shard), num_new_blocks NB,
+    num_resets NR, each a power of two when `CacheManager` builds it. Sharded,
+    `data` holds one packed array per shard, shard after shard, and each
+    field reads every shard's rows in shard order (token_slot: S * T rows).
     """
     data: jax.Array
     num_tokens: int = dataclasses.field(metadata=dict(static=True))
@@ -50,6 +55,7 @@ class StepMeta:
 
     @property
     def num_shards(self) -> int:
+        """Shards whose metadata `data` holds (1 unsharded)."""
         return max(1, self.data.shape[0] // max(self.packed_size, 1))
 
     def _get(self, field):
@@ -62,22 +68,27 @@ class StepMeta:
 
     @property
     def token_slot(self):
+        """i32[T]: request slot of each token row, -1 = padding."""
         return self._get("token_slot")
 
     @property
     def token_pos(self):
+        """i32[T]: absolute position of each token row in its request."""
         return self._get("token_pos")
 
     @property
     def lengths(self):
+        """i32[R]: tokens of each slot after this step (0 = free)."""
         return self._get("lengths")
 
     @property
     def new_blocks(self):
+        """i32[NB, 3]: (slot, logical block, physical block) rows, -1 = padding."""
         return self._get("new_blocks").reshape(-1, 3)
 
     @property
     def reset_slots(self):
+        """i32[NR]: slots of newly admitted requests, -1 = padding."""
         return self._get("reset_slots")
 
     @classmethod

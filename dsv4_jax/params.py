@@ -21,6 +21,53 @@ class CompressorParams:
     norm:     f32[d]          RMSNorm weight
     inv_freq: f32[32]         RoPE inverse frequencies (`yarn_inv_freq()`)
     index:    the CSA indexer compressor's params (d = 128), None for HCA
+
+    CSA layers: m = 4, coff = 2, d = 512, and `index` with m = 4, coff = 2,
+    d = 128. HCA layers: m = 128, coff = 1, d = 512, `index` None.
+
+    From the DeepSeek-V4 checkpoint:
+
+    The official checkpoint (deepseek-ai/DeepSeek-V4-Flash and -Pro) names
+    its tensors after the modules of DeepSeek-V4's inference code,
+    inference/model.py: `Attention.compressor` (class `Compressor`: `ape`,
+    `wkv`, `wgate`, `norm`) on CSA and HCA layers and `Attention.indexer`
+    (class `Indexer`: `wq_b`, `weights_proj` and its own `compressor`) on CSA
+    layers. For layer i (global index):
+
+        checkpoint tensor                                dsv4_jax
+        layers.{i}.attn.compressor.ape                   params.ape
+        layers.{i}.attn.compressor.norm.weight           params.norm
+        layers.{i}.attn.compressor.wkv.weight    W       flush(kv = x @ W.T)
+        layers.{i}.attn.compressor.wgate.weight  W       flush(score = x @ W.T)
+        layers.{i}.attn.indexer.compressor.ape           params.index.ape
+        layers.{i}.attn.indexer.compressor.norm.weight   params.index.norm
+        layers.{i}.attn.indexer.compressor.wkv.weight    flush(index_kv = x @ W.T)
+        layers.{i}.attn.indexer.compressor.wgate.weight  flush(index_score = x @ W.T)
+        (not stored)                                     inv_freq = yarn_inv_freq()
+
+    Hugging Face transformers (models/deepseek_v4/modeling_deepseek_v4.py,
+    `DeepseekV4CSACompressor`, `DeepseekV4HCACompressor`, `DeepseekV4Indexer`)
+    loads the same tensors as
+    `model.layers.{i}.self_attn.compressor.{position_bias, kv_norm.weight,
+    kv_proj.weight, gate_proj.weight}`, the indexer's under
+    `model.layers.{i}.self_attn.compressor.indexer.`. Cast `ape` and `norm`
+    to float32. `x` is the input of the layer's attention (what the official
+    `Attention.forward` receives), in float32, as `Compressor.forward` does.
+    The projections go to `flush` as they come: the first d channels (the
+    half the official code names "overlapping") are folded into the next
+    window's entry, the last d into the token's own window's entry.
+    `yarn_inv_freq()` is the compressors' RoPE of the official config
+    (compress_rope_theta 160000, YaRN factor 16 over 65536 tokens, beta
+    32 / 1), the same for both compressors of a layer.
+
+    The rest of the layer feeds the other ops: `indexer_topk` takes
+    `q = wq_b(qr)` (qr, the attention's `q_norm(wq_a(x))`; `wq_b` is
+    `layers.{i}.attn.indexer.wq_b.weight`) after RoPE on its last 64 channels
+    and the Hadamard rotation, and `weights =
+    layers.{i}.attn.indexer.weights_proj(x) * 128**-0.5 * 64**-0.5`; `append`
+    takes the window's kv, `layers.{i}.attn.wkv` then `kv_norm` then RoPE;
+    the attention adds the sink `layers.{i}.attn.attn_sink` (see "From the
+    reads to attention").
     """
     ape: jax.Array
     norm: jax.Array

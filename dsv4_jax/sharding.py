@@ -52,6 +52,8 @@ def state_specs(config: CacheConfig) -> CacheState:
 
 
 def state_sharding(config: CacheConfig, mesh: jax.sharding.Mesh) -> CacheState:
+    """`NamedSharding`s of every state leaf on `mesh` (see `state_specs`), e.g.
+    for `init_state(config, sharding=...)` or a jitted step's out_shardings."""
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), state_specs(config))
 
 
@@ -110,7 +112,12 @@ def run_sharded(fn: Callable, state: CacheState, sharded: Sequence, replicated: 
 
 class ShardedCacheManager:
     """One `CacheManager` per shard; admits each request on the least-loaded
-    shard and builds step metadata laid out shard by shard."""
+    shard and builds step metadata laid out shard by shard.
+
+    `prepare_step` pads every shard's rows to the same T, so per-token
+    operands have S * T rows, shard k's at [k * T, (k + 1) * T);
+    `token_rows(request)` is a request's slice of them and `slot_of(request)`
+    its shard-local slot (what per-request operands such as `slots` hold)."""
 
     def __init__(self, config: CacheConfig):
         if not config.sharded:
@@ -141,10 +148,12 @@ class ShardedCacheManager:
         return request_id
 
     def release(self, request_id) -> None:
+        """Return the request's slot and blocks on its shard."""
         self.shards[self.shard_of(request_id)].release(request_id)
         del self._shard_of[request_id]
 
     def shard_of(self, request_id) -> int:
+        """The shard that holds the request (KeyError if not admitted)."""
         try:
             return self._shard_of[request_id]
         except KeyError:
@@ -167,6 +176,7 @@ class ShardedCacheManager:
 
     @property
     def tokens_per_shard(self) -> int:
+        """T of the last step: token rows per shard (the global axis has S * T)."""
         return self._tokens_per_shard
 
     def prepare_step(self, tokens: Mapping[Hashable, int], *, min_tokens: int = 1,

@@ -39,6 +39,11 @@ class KVEntries:
     ds_fp8:    nope f8e4m3[..., 448], rope bf16[..., 64], scale e8m0[..., 7]
     fp8_token: nope f8e4m3[..., 448], rope bf16[..., 64], scale f32[..., 1]
     bf16:      nope bf16[..., 448],   rope bf16[..., 64], scale None
+
+    An entry is 448 "nope" channels and the 64 RoPE channels that follow them.
+    ds_fp8 (DeepSeek-V4's own format) scales each 64-channel tile of nope by a
+    power of two (UE8M0), fp8_token scales the row by one f32. The leading
+    dims `...` are those of the pool that holds them.
     """
     nope: jax.Array
     rope: jax.Array
@@ -47,38 +52,78 @@ class KVEntries:
 
 @_dataclass
 class IndexerKeys:
-    """MXFP4 indexer keys: 128 e2m1 codes packed two per byte + 4 UE8M0 scales."""
-    packed: jax.Array   # u8[..., 64]
-    scale: jax.Array    # e8m0[..., 4]
+    """MXFP4 indexer keys: 128 e2m1 codes packed two per byte + 4 UE8M0 scales.
+
+    packed  u8[..., 64]   channel 2j in the low nibble of byte j, 2j + 1 in the high
+    scale   e8m0[..., 4]  one power-of-two scale per 32 channels
+    """
+    packed: jax.Array
+    scale: jax.Array
 
 
 @_dataclass
 class WindowState:
-    kv: KVEntries       # [L_all, R, 128, ...]
-    pos: jax.Array      # i32[L_all, R, 128], -1 = empty
+    """The sliding windows of every layer: the last 128 positions of each request.
+
+    kv   KVEntries [L, R, 128, ...]  entry of ring slot pos % 128
+    pos  i32[L, R, 128]              position held in each ring slot, -1 = empty
+    """
+    kv: KVEntries
+    pos: jax.Array
 
 
 @_dataclass
 class CSAState:
-    kv: KVEntries       # [L_csa, N, 32, ...]
-    index: IndexerKeys  # [L_csa, N, 32, ...]
-    comp: jax.Array     # f32[L_csa, R, 2, 3, 512]: (current, next) x (max, sum, weighted kv)
-    icomp: jax.Array    # f32[L_csa, R, 2, 3, 128]: the same for the indexer compressor
+    """The CSA layers' pools, stacked over the Lc CSA layers in model order.
+
+    kv     KVEntries [Lc, N, 32, ...]    paged entries: entry i of a request is
+                                         row i % 32 of block block_table[slot, i // 32]
+    index  IndexerKeys [Lc, N, 32, ...]  the indexer key of each entry, same layout
+    comp   f32[Lc, R, 2, 3, 512]         per request the online-softmax accumulators
+                                         of the current and the next entry, each
+                                         (max, sum, weighted kv) per channel
+    icomp  f32[Lc, R, 2, 3, 128]         the same for the indexer compressor
+    """
+    kv: KVEntries
+    index: IndexerKeys
+    comp: jax.Array
+    icomp: jax.Array
 
 
 @_dataclass
 class HCAState:
-    kv: KVEntries       # [L_hca, N, 1, ...]
-    comp: jax.Array     # f32[L_hca, R, 1, 3, 512]
+    """The HCA layers' pools, stacked over the Lh HCA layers in model order.
+
+    kv    KVEntries [Lh, N, 1, ...]  paged entries: entry i of a request is the
+                                     row of block block_table[slot, i]
+    comp  f32[Lh, R, 1, 3, 512]      per request the accumulator of the open entry
+    """
+    kv: KVEntries
+    comp: jax.Array
 
 
 @_dataclass(static=("config",))
 class CacheState:
-    block_table: jax.Array   # i32[R, MB], physical block per 128-token block, -1 = none
+    """The whole cache: a pytree of device arrays plus its static config.
+
+    block_table  i32[R, MB]       physical block of each 128-token block of a
+                                  request, -1 = none
+    swa          WindowState      every layer's sliding window
+    csa          CSAState         CSA pools, indexer keys, accumulators
+    hca          HCAState         HCA pools and accumulators
+    errors       i32[8]           count of dropped input per ErrorKind
+                                  (sharded: i32[S * 8], one row per shard)
+    config       CacheConfig      static (pytree metadata)
+
+    Make it with `init_state`; pass it to every op and take back the state
+    the op returns. Sharded, R and N are the global sizes and each shard
+    holds its slice of those axes.
+    """
+    block_table: jax.Array
     swa: WindowState
     csa: CSAState
     hca: HCAState
-    errors: jax.Array        # i32[NUM_ERROR_KINDS] (per shard: i32[shards * NUM_ERROR_KINDS])
+    errors: jax.Array
     config: CacheConfig
 
 

@@ -25,7 +25,11 @@ if _default_impl not in IMPLS:
 def default_impl(impl: str):
     """Within the block, ops called with impl="auto" use `impl` instead.
     It is read when a function is traced: clear jit caches (jax.clear_caches())
-    or use fresh functions when switching between already-traced calls."""
+    or use fresh functions when switching between already-traced calls.
+
+    `impl` is "auto", "reference" (the jnp oracle), "cpu" or "cuda" (the FFI
+    handlers), e.g. `with dsv4_jax.default_impl("reference"): ...`. The
+    environment variable DSV4_JAX_IMPL, read at import, sets the same default."""
     global _default_impl
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")

@@ -33,7 +33,20 @@ TARGET = "dsv4_append"
 def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
            impl: str = "auto") -> CacheState:
     """Write `kv: bf16[T, 512]` (normed and roped by the model) of the step's
-    tokens into the sliding window of `layer`."""
+    tokens into the sliding window of `layer`.
+
+    state    CacheState, donated by the jitted step
+    layer    global layer index, any kind (see "The layer argument")
+    meta     StepMeta of the step: the rows' meta.token_slot, meta.token_pos i32[T]
+    kv       bf16[T, 512]: per token row, the layer's KV after its RMSNorm and
+             RoPE on the last 64 channels (T = meta.num_tokens; S * T sharded)
+    returns  the new CacheState
+
+    The window keeps the last 128 positions of each request, position p in
+    ring slot p % 128, quantized to the config's kv_format (the nope channels
+    to fp8 for ds_fp8 and fp8_token). Dropped and counted: BAD_SLOT,
+    BAD_POSITION (pos < 0 or >= max_context), NONFINITE (NaN or Inf in the
+    row), BAD_LAYER."""
     check_state(state)
     cfg = state.config
     meta.check(cfg)

@@ -23,8 +23,21 @@ TARGET = "dsv4_apply_step"
 def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> CacheState:
     """Start a step: resets, then new blocks (later rows win), in place.
 
+    state    CacheState, donated by the jitted step
+    meta     StepMeta of the step (`CacheManager.prepare_step`); this op reads
+             meta.reset_slots i32[NR] and meta.new_blocks i32[NB, 3]
+    returns  the new CacheState
+
+    Each reset slot gets its block-table row and window positions set to -1
+    and its compressor accumulators emptied. Then each new-block row (slot,
+    logical block, physical block) is written into the block table, and the
+    physical block is scrubbed to blank in every pool of every layer, so its
+    new owner never reads what a released request wrote. Call it first in
+    every step, before any other op of that step.
+
     Bad rows (slot outside [0, R), logical/physical block out of range) are
-    dropped and counted in `state.errors`; -1 rows are padding."""
+    dropped and counted in `state.errors` (BAD_SLOT, BAD_BLOCK_ASSIGNMENT);
+    -1 rows are padding."""
     check_state(state)
     if not isinstance(meta, StepMeta):
         raise ValueError(f"meta: expected a StepMeta, got {type(meta).__name__}")

@@ -69,9 +69,26 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
           index_score: jax.Array | None = None, impl: str = "auto") -> CacheState:
     """Compress the step's tokens of a CSA or HCA layer.
 
-    kv, score: f32 or bf16 [T, coff*512] (coff 2 for CSA, 1 for HCA).
-    CSA layers also take the indexer compressor's `index_kv`, `index_score`
-    [T, 256] and `params.index`."""
+    state        CacheState, donated by the jitted step
+    layer        global index of a CSA or HCA layer (see "The layer argument")
+    meta         StepMeta of the step: meta.token_slot, meta.token_pos i32[T]
+    kv, score    f32 or bf16 [T, coff * 512], the compressor's projections
+                 x @ wkv.T and x @ wgate.T per token row (coff 2 for CSA,
+                 1 for HCA; bf16 is upcast)
+    params       CompressorParams of the layer's compressor (CSA: with .index)
+    index_kv, index_score
+                 CSA only: f32 or bf16 [T, 256], the indexer compressor's
+                 projections; None for HCA
+    returns      the new CacheState
+
+    Folds every token into its request's online-softmax accumulators and
+    writes each entry the step closes (CSA: one per 4 positions, HCA: one per
+    128) into the paged pool, quantized to the kv_format; CSA layers also
+    write the entry's MXFP4 indexer key. Each request's tokens must come in
+    increasing, contiguous positions across calls (what CacheManager
+    produces). Dropped and counted (the token is not folded): BAD_SLOT,
+    BAD_POSITION, MISSING_BLOCK, NONFINITE (NaN or Inf in the token's rows),
+    BAD_LAYER."""
     check_state(state)
     cfg = state.config
     meta.check(cfg)

@@ -82,7 +82,19 @@ def _finish(state, outputs, errors, return_state):
 def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "auto",
                   return_state: bool = True):
     """The sliding window of `slots[B]`: kv bf16[B, 128, 512] and pos i32[B, 128]
-    in ring-slot order (pos -1 = empty, its row zero)."""
+    in ring-slot order (pos -1 = empty, its row zero).
+
+    layer    global layer index, any kind (see "The layer argument")
+    slots    i32[B] request slots, -1 = padding (zero rows, pos -1); sharded:
+             S * B rows of shard-local slots, shard after shard
+    returns  (kv, pos, state): kv bf16[B, 128, 512] dequantized, pos
+             i32[B, 128] the position held in each ring slot; the state's
+             errors count BAD_SLOT (same output as -1) and BAD_LAYER.
+             With return_state=False, (kv, pos).
+
+    Decode: append, then gather; a query at position t sees ring slots with
+    t - 128 < pos <= t. Chunked prefill: gather the prior window, append,
+    attend over window + chunk."""
     check_state(state)
     cfg = state.config
     check_array("slots", slots, (None,), _I32)
@@ -110,7 +122,22 @@ def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "au
 def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
                 indices: jax.Array, *, impl: str = "auto", return_state: bool = True):
     """CSA entries `indices[T, k]` of each query token: kv bf16[T, k, 512] and
-    valid bool[T, k]. A query at position t sees entries i < (t + 1) // 4."""
+    valid bool[T, k].
+
+    layer                 global index of a CSA layer
+    token_slot, token_pos i32[T], the query rows' slots and positions
+                          (usually meta.token_slot, meta.token_pos)
+    indices               i32[T, k], k >= 1: entry indices of each row's
+                          request in this layer (indexer_topk's output), -1 =
+                          none (zero row, valid False, no error)
+    returns               (kv, valid, state): kv bf16[T, k, 512] dequantized,
+                          valid bool[T, k] (False rows are zero); with
+                          return_state=False, (kv, valid)
+
+    A query at position t sees entries i < (t + 1) // 4. A row with slot -1 is
+    all invalid, nothing counted. Counted: BAD_SLOT and BAD_POSITION (pos < 0)
+    once per row, which is then all invalid; per index BAD_INDEX (< -1 or not
+    visible) and MISSING_BLOCK; BAD_LAYER."""
     check_state(state)
     cfg = state.config
     check_array("token_slot", token_slot, (None,), _I32)
@@ -143,7 +170,20 @@ def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.
 def gather_all(state: CacheState, layer, slots: jax.Array, lengths: jax.Array,
                max_entries: int, *, impl: str = "auto", return_state: bool = True):
     """Every HCA entry of `slots[B]` with `lengths[B]` tokens: kv
-    bf16[B, max_entries, 512] and count i32[B] = lengths // 128."""
+    bf16[B, max_entries, 512] and count i32[B] = lengths // 128.
+
+    layer        global index of an HCA layer
+    slots        i32[B] request slots, -1 = padding (count 0); sharded: S * B
+                 rows of shard-local slots, shard after shard
+    lengths      i32[B] tokens of each request (e.g. meta.lengths[slot] after
+                 the step); entry i exists once i < lengths // 128
+    max_entries  E, a Python int: rows of the output (max_context // 128
+                 holds every entry)
+    returns      (kv, count, state): kv bf16[B, E, 512] dequantized (rows >=
+                 count zero), count i32[B]; with return_state=False, (kv, count)
+
+    Counted: BAD_SLOT (count 0), BAD_LENGTH (length < 0, > max_context, or
+    count > E; count 0), MISSING_BLOCK (that row zero), BAD_LAYER."""
     check_state(state)
     cfg = state.config
     check_array("slots", slots, (None,), _I32)

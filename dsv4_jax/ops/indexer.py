@@ -108,9 +108,30 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
                  q: jax.Array, weights: jax.Array, k: int, *, q_format: str = "mxfp4",
                  impl: str = "auto", return_state: bool = True):
     """Top-k CSA entries per query token by indexer score: indices i32[T, k]
-    (-1 padded), best first. `q_format`: "mxfp4" (default) rounds q to MXFP4
-    first, as DeepSeek-V4's inference code does (exact block sums; the fast
-    path on the GPU); "bf16" scores q as given. See the module docstring."""
+    (-1 padded), best first.
+
+    layer                 global index of a CSA layer
+    token_slot, token_pos i32[T], the query rows' slots and positions
+                          (usually meta.token_slot, meta.token_pos)
+    q                     bf16[T, 64, 128]: the indexer query (64 heads of 128)
+                          as the model has it after RoPE and the Hadamard
+                          rotation
+    weights               f32 or bf16 [T, 64]: the per-head weights
+    k                     a Python int in [1, 4096]
+    q_format              "mxfp4" (default) rounds q to MXFP4 first, as
+                          DeepSeek-V4's inference code does (exact block sums;
+                          the fast path on the GPU); "bf16" scores q as given
+    returns               (indices, state): indices i32[T, k] of visible
+                          entries (i < (t + 1) // 4) in existing blocks, best
+                          first, equal scores by ascending index, -1 where
+                          fewer exist: ready for gather_topk. With
+                          return_state=False, indices alone.
+
+    Entry i scores sum_h weights[h] * relu(q[h] . key_i) in one fixed fp32
+    order (the module docstring gives it), so every implementation returns
+    the same indices. A row with slot -1 is all -1, nothing counted. Counted:
+    BAD_SLOT and BAD_POSITION (the row all -1), MISSING_BLOCK (once per
+    missing block the row needs; its entries are not candidates), BAD_LAYER."""
     check_state(state)
     cfg = state.config
     check_array("token_slot", token_slot, (None,), _I32)

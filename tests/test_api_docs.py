@@ -1,0 +1,64 @@
+"""docs/api.md is what tools/gen_api.py writes from today's docstrings, and
+it covers every public name."""
+import difflib
+import importlib.resources
+import importlib.util
+import pathlib
+import re
+
+import dsv4_jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("gen_api", ROOT / "tools" / "gen_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_reference_is_up_to_date():
+    text, _ = load_generator().render()
+    on_disk = (ROOT / "docs" / "api.md").read_text()
+    if text != on_disk:
+        diff = "".join(list(difflib.unified_diff(
+            on_disk.splitlines(True), text.splitlines(True), "docs/api.md", "regenerated"))[:60])
+        raise AssertionError("docs/api.md is stale: run `python tools/gen_api.py` and commit "
+                             "it\n" + diff)
+
+
+def test_every_public_object_has_a_docstring():
+    _, missing = load_generator().render()
+    assert not missing, f"public objects without a docstring: {missing}"
+
+
+def test_every_public_name_has_an_entry():
+    text = (ROOT / "docs" / "api.md").read_text()
+    headings = set(re.findall(r"^### `dsv4_jax\.(?:\w+\.)?(\w+)`$", text, re.M))
+    assert set(dsv4_jax.__all__) <= headings, set(dsv4_jax.__all__) - headings
+    for name in ("shard_config", "init_sharded_state", "ShardedCacheManager"):
+        assert f"### `dsv4_jax.sharding.{name}`" in text
+
+
+def test_api_reference_is_well_formed_markdown():
+    """Fences balanced, so no code block swallows the rest of the page, and
+    every heading one level below the one it sits under at most."""
+    lines = (ROOT / "docs" / "api.md").read_text().splitlines()
+    fences = [i for i, l in enumerate(lines) if l.startswith("```")]
+    assert len(fences) % 2 == 0, "an unclosed ``` fence"
+    inside = set()
+    for start, end in zip(fences[::2], fences[1::2]):
+        assert lines[start] in ("```python", "```text"), lines[start]
+        assert lines[end] == "```", (end + 1, lines[end])
+        inside.update(range(start, end + 1))
+    level = 0
+    for i, l in enumerate(lines):
+        if i not in inside and l.startswith("#"):
+            new = len(l) - len(l.lstrip("#"))
+            assert new <= level + 1, f"line {i + 1}: heading level {new} under level {level}"
+            level = new
+
+
+def test_package_is_typed():
+    assert (importlib.resources.files("dsv4_jax") / "py.typed").is_file()

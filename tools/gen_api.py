@@ -1,0 +1,279 @@
+"""Writes docs/api.md, the API reference, from the package's docstrings.
+
+    python tools/gen_api.py           # rewrite docs/api.md
+    python tools/gen_api.py --check   # exit 1 if docs/api.md is stale
+
+Only the standard library's `inspect` and the package itself: the reference
+is whatever the docstrings and signatures say, so a docstring is where a
+correction goes. tests/test_api_docs.py fails when docs/api.md differs from
+what this script writes now.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import importlib
+import inspect
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:   # the checkout's package, when run as a script
+    sys.path.insert(0, str(ROOT))
+OUTPUT = ROOT / "docs" / "api.md"
+PACKAGE = "dsv4_jax"
+
+# (section title, names relative to the package; "mod.name" reaches into a
+# submodule). Names of dsv4_jax.__all__ left out here land in "Other names",
+# so a new export shows up (and makes the reference stale) instead of vanishing.
+SECTIONS = [
+    ("Ops", ["apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
+             "indexer_topk"]),
+    ("Configuration", ["CacheConfig"]),
+    ("State", ["init_state", "CacheState", "WindowState", "CSAState", "HCAState", "KVEntries",
+               "IndexerKeys"]),
+    ("Step bookkeeping", ["CacheManager", "StepMeta"]),
+    ("Compressor parameters", ["CompressorParams", "yarn_inv_freq"]),
+    ("Errors", ["check_errors", "ErrorKind", "CacheInputError", "CacheFullError"]),
+    ("Memory", ["memory_report", "memory.MemoryReport"]),
+    ("Implementation choice", ["default_impl"]),
+    ("Sharding", ["sharding.shard_config", "sharding.init_sharded_state",
+                  "sharding.ShardedCacheManager", "sharding.state_specs",
+                  "sharding.state_sharding", "sharding.run_sharded"]),
+]
+WIDTH = 96   # signatures longer than this go one parameter per line
+
+
+# ---- signatures ------------------------------------------------------------------------------
+def _annotation(a) -> str:
+    if isinstance(a, str):      # `from __future__ import annotations` keeps them as written
+        return a.replace("'", "").replace('"', "")
+    return inspect.formatannotation(a)
+
+
+def _default(v) -> str:
+    if isinstance(v, str):
+        return '"' + v + '"'
+    return repr(v)
+
+
+def _params(sig: inspect.Signature, drop_first: bool) -> list[str]:
+    out, star_done = [], False
+    params = list(sig.parameters.values())[1 if drop_first else 0:]
+    for i, p in enumerate(params):
+        if p.kind is p.KEYWORD_ONLY and not star_done:
+            out.append("*")
+            star_done = True
+        text = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+        star_done = star_done or p.kind is p.VAR_POSITIONAL
+        if p.annotation is not p.empty:
+            text += ": " + _annotation(p.annotation)
+        if p.default is not p.empty:
+            text += (" = " if p.annotation is not p.empty else "=") + _default(p.default)
+        out.append(text)
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params)
+                                            or params[i + 1].kind is not p.POSITIONAL_ONLY):
+            out.append("/")
+    return out
+
+
+def signature(name: str, obj, drop_first: bool = False) -> str:
+    """`name(params) -> ret`, wrapped one parameter per line when long."""
+    sig = inspect.signature(obj)
+    params = _params(sig, drop_first)
+    ret = "" if sig.return_annotation is sig.empty or inspect.isclass(obj) else \
+        " -> " + _annotation(sig.return_annotation)
+    one = f"{name}({', '.join(params)}){ret}"
+    if len(one) <= WIDTH or not params:
+        return one
+    return f"{name}(\n" + "".join(f"    {p},\n" for p in params) + f"){ret}"
+
+
+# ---- docstrings as Markdown ------------------------------------------------------------------
+_CODE_SPAN = re.compile(r"(`[^`]*`)")
+
+
+def _escape(text: str) -> str:
+    """Prose outside code spans: characters Markdown would read as markup."""
+    parts = _CODE_SPAN.split(text)
+    for i in range(0, len(parts), 2):
+        parts[i] = re.sub(r"[\\*<]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])", lambda m: "\\" + m[0],
+                          parts[i])
+    return "".join(parts)
+
+
+def _preformatted(lines: list[str]) -> bool:
+    """A paragraph laid out by hand: indented lines, or columns aligned with
+    runs of spaces (field tables, formulas, examples)."""
+    return any(l[:1] == " " or re.search(r"\S {2,}\S", l) for l in lines)
+
+
+def _list_items(lines: list[str]) -> list[str] | None:
+    """The items of a "- item" list whose items continue on indented lines."""
+    if not lines[0].startswith("- "):
+        return None
+    items = []
+    for l in lines:
+        if l.startswith("- "):
+            items.append(l[2:].strip())
+        elif l.startswith("  ") and items:
+            items[-1] += " " + l.strip()
+        else:
+            return None
+    return items
+
+
+def _heading(lines: list[str]) -> bool:
+    """A paragraph that is one short line like "Token rows:"."""
+    return len(lines) == 1 and re.fullmatch(r"[A-Z][^.:`]{0,60}:", lines[0]) is not None
+
+
+def markdown(doc: str | None, level: int = 4, skip_summary: bool = False) -> str:
+    """A docstring as Markdown: prose paragraphs reflowed and escaped, "- "
+    lists as lists, "Title:" lines as headings of `level`, and laid-out
+    paragraphs kept as they are in a text block."""
+    if not doc:
+        return ""
+    out = []
+    paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(doc))
+    for para in paragraphs[1 if skip_summary else 0:]:
+        lines = para.rstrip().split("\n")
+        items = _list_items(lines)
+        if items is not None:
+            out.append("\n".join("- " + _escape(i) for i in items))
+        elif _heading(lines):
+            out.append("#" * level + " " + lines[0][:-1])
+        elif _preformatted(lines):
+            out.append("```text\n" + "\n".join(lines) + "\n```")
+        else:
+            text = " ".join(l.strip() for l in lines)
+            out.append(_escape(text.replace("::", ":")))
+    return "\n\n".join(out)
+
+
+# ---- objects ---------------------------------------------------------------------------------
+def resolve(name: str):
+    """(public dotted name, object) of a name relative to the package."""
+    module_name, _, attr = name.rpartition(".")
+    module = importlib.import_module(f"{PACKAGE}.{module_name}" if module_name else PACKAGE)
+    return f"{PACKAGE}.{name}", getattr(module, attr)
+
+
+def _members(cls) -> list[tuple[str, object]]:
+    """Public members a class defines itself, in source order (dataclass
+    fields are in the constructor's signature instead)."""
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    out = []
+    for name, value in vars(cls).items():
+        if name.startswith("_") or name in fields:
+            continue
+        if isinstance(value, (staticmethod, classmethod, property)) or inspect.isfunction(value):
+            out.append((name, value))
+    return out
+
+
+def _member_entry(public: str, cls, name: str, value, missing: list) -> str:
+    qual = f"{cls.__name__}.{name}"
+    if isinstance(value, property):
+        fget = value.fget
+        ret = inspect.signature(fget).return_annotation
+        ret = "" if ret is inspect.Signature.empty else " -> " + _annotation(ret)
+        head, doc, kind = f"{qual}{ret}", fget.__doc__, "property"
+    else:
+        func = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+        bound = not isinstance(value, staticmethod)   # self / cls is not shown
+        head = signature(qual, func, drop_first=bound)
+        doc = func.__doc__
+        kind = {staticmethod: "staticmethod", classmethod: "classmethod"}.get(type(value), "")
+    if not doc:
+        missing.append(f"{public}.{name}")
+    decorator = f"@{kind}\n" if kind else ""
+    return f"```python\n{decorator}{head}\n```\n\n{markdown(doc)}"
+
+
+def _enum_table(cls) -> str:
+    # an enum's module may describe its members in `_DESCRIPTIONS` (errors.py
+    # does, for CacheInputError's message): one text for both places
+    descriptions = getattr(importlib.import_module(cls.__module__), "_DESCRIPTIONS", {})
+    rows = ["| name | value | meaning |", "|---|---|---|"]
+    rows += [f"| `{m.name}` | {int(m.value)} | {_escape(descriptions.get(m, ''))} |" for m in cls]
+    return "\n".join(rows)
+
+
+def entry(name: str, missing: list) -> str:
+    """The Markdown of one public object."""
+    public, obj = resolve(name)
+    short = public.rpartition(".")[2]
+    doc = obj.__doc__
+    if doc and dataclasses.is_dataclass(obj) and doc.startswith(f"{short}("):
+        doc = None        # the signature dataclasses writes when a class has no docstring
+    if not doc:
+        missing.append(public)
+    if inspect.isclass(obj):
+        if issubclass(obj, enum.Enum):
+            head, body = f"class {short}({obj.__bases__[0].__name__})", _enum_table(obj)
+        elif issubclass(obj, BaseException):
+            head, body = f"class {short}({obj.__bases__[0].__name__})", ""
+        else:
+            head, body = signature(f"class {short}", obj), ""
+        parts = [f"### `{public}`", f"```python\n{head}\n```", markdown(doc), body]
+        parts += [_member_entry(public, obj, n, v, missing) for n, v in _members(obj)]
+    else:
+        parts = [f"### `{public}`", f"```python\n{signature(short, obj)}\n```", markdown(doc)]
+    return "\n\n".join(p.strip() for p in parts if p.strip())
+
+
+def _anchor(title: str) -> str:
+    return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
+
+
+def render() -> tuple[str, list[str]]:
+    """The reference as Markdown, and the public objects without a docstring."""
+    package = importlib.import_module(PACKAGE)
+    placed = {n for _, names in SECTIONS for n in names}
+    sections = list(SECTIONS)
+    others = [n for n in package.__all__ if n not in placed]
+    if others:
+        sections.append(("Other names", others))
+    missing: list[str] = []
+    titles = ["Conventions"] + [t for t, _ in sections]
+    out = [
+        "<!-- Generated by tools/gen_api.py from the docstrings; edit those, then run"
+        " `python tools/gen_api.py`. -->",
+        f"# `{PACKAGE}` API reference",
+        "Every public function and class of the package, with shapes and dtypes."
+        " Shapes are written `dtype[dims]`: `T` token rows of a step, `R` request slots,"
+        " `N` physical blocks, `MB` blocks per request, `L` layers (`Lc` CSA, `Lh` HCA),"
+        " `B` rows of a per-request read, `k` top-k. The design contract behind it is"
+        " [`docs/design.md`](design.md).",
+        "Contents: " + " · ".join(f"[{t}](#{_anchor(t)})" for t in titles),
+        "## Conventions",
+        markdown(package.__doc__, level=3, skip_summary=True),
+    ]
+    for title, names in sections:
+        out.append(f"## {title}")
+        out += [entry(n, missing) for n in names]
+    return "\n\n".join(out).rstrip() + "\n", missing
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/api.md is stale")
+    args = ap.parse_args(argv)
+    text, missing = render()
+    for name in missing:
+        print(f"gen_api: {name} has no docstring", file=sys.stderr)
+    if args.check:
+        stale = not OUTPUT.exists() or OUTPUT.read_text() != text
+        verdict = "stale, run python tools/gen_api.py" if stale else "up to date"
+        print(f"{OUTPUT.relative_to(ROOT)}: {verdict}")
+        return 1 if stale or missing else 0
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT.relative_to(ROOT)} ({len(text.splitlines())} lines)")
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
