@@ -1,8 +1,10 @@
 """What a new user meets first (issue 38): the demo refuses to check the
 reference against itself, the command line answers bad input in one line,
-and messages say what happened."""
+messages say what happened, forgetting to donate the state is caught, and
+the error counters can be reset."""
 import dataclasses
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax import _ffi, cli, config as C, demo
+from dsv4_jax import _ffi, cli, config as C, demo, donation
 from dsv4_jax.cli import main
 
 
@@ -167,3 +169,70 @@ def test_a_python_list_operand_gets_a_clear_error():
     with pytest.raises(ValueError, match=r"^slots: expected a jax or numpy array of shape \[\*\] "
                                          r"and dtype int32, got list$"):
         dj.gather_window(state, 0, [0, 1])
+
+
+# ---- item 6: donation and the error counters ------------------------------------------------
+def _tiny_step_inputs():
+    cfg = dj.CacheConfig.tiny(max_requests=2, max_context=256)
+    manager = dj.CacheManager(cfg)
+    a = manager.admit()
+    meta = manager.prepare_step({a: 3})
+    kv = jnp.ones((meta.num_tokens, 512), jnp.bfloat16)
+    return dj.init_state(cfg), meta, kv
+
+
+def test_an_eager_write_warns_once(monkeypatch):
+    monkeypatch.setattr(donation, "_warned", False)
+    state, meta, kv = _tiny_step_inputs()
+    with pytest.warns(dj.NotDonatedWarning, match="ran outside jax.jit"):
+        state = dj.append(state, 0, meta, kv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = dj.append(state, 0, meta, kv)      # once per process
+        jax.jit(lambda s, m, x: dj.append(s, 0, m, x))(state, meta, kv)   # traced: no warning
+
+
+def test_check_donated_tells_a_donating_step_from_one_that_copies():
+    state, meta, kv = _tiny_step_inputs()
+
+    def step(state, meta, kv):
+        return dj.append(dj.apply_step(state, meta), 0, meta, kv)
+
+    copying = jax.jit(step)
+    with pytest.raises(ValueError, match=r"cache state 0 is not donated \(\d+ of its arrays, "
+                                         r"e\.g\. state\.block_table\)"):
+        dj.check_donated(copying, state, meta, kv)
+    dj.check_donated(jax.jit(step, donate_argnums=0), state, meta, kv)
+    dj.check_donated(jax.jit(step, donate_argnames="state"), state=state, meta=meta, kv=kv)
+    assert not state.errors.is_deleted()          # lowering only: nothing ran, nothing consumed
+    with pytest.raises(ValueError, match="no CacheState"):
+        dj.check_donated(jax.jit(lambda x: x), kv)
+
+
+def test_reset_errors_zeroes_the_counters_in_and_out_of_jit():
+    state, meta, _ = _tiny_step_inputs()
+    bad = dj.StepMeta.build(token_slot=[-1], token_pos=[0], lengths=[0, 0],
+                            new_blocks=[[9, 0, 0]], reset_slots=[7])
+    state = jax.jit(dj.apply_step, donate_argnums=0)(state, bad)
+    with pytest.raises(dj.CacheInputError, match="bad_slot: 2"):
+        dj.check_errors(state)
+    cleared = dj.reset_errors(state)
+    dj.check_errors(cleared)
+    assert cleared.errors.dtype == jnp.int32 and cleared.errors.shape == state.errors.shape
+    dj.check_errors(jax.jit(dj.reset_errors)(state))
+    # the other buffers are the same arrays
+    assert cleared.csa.kv.nope is state.csa.kv.nope
+
+
+def test_reset_errors_keeps_a_sharded_state_sharded():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs several devices")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    cfg = dj.sharding.shard_config(dj.CacheConfig.tiny(max_requests=2, max_context=128),
+                                   mesh, "data")
+    state = dj.sharding.init_sharded_state(cfg, mesh)
+    state = dataclasses.replace(state, errors=jax.device_put(
+        jnp.arange(state.errors.size, dtype=jnp.int32), state.errors.sharding))
+    cleared = dj.reset_errors(state)
+    assert cleared.errors.sharding == state.errors.sharding
+    assert not np.asarray(cleared.errors).any()

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from .. import config as C
 from .. import reference
 from ..meta import StepMeta
+from ..donation import warn_if_eager
 from ..state import CacheState
 from ._dispatch import check_array, check_state, ffi_in_place, resolve_impl
 from ._layer import layer_operand, pick_layer, traced_layer
@@ -35,6 +36,7 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     """Write `kv: bf16[T, 512]` (normed and roped by the model) of the step's
     tokens into the sliding window of `layer`."""
     check_state(state)
+    warn_if_eager(state, "append")
     cfg = state.config
     meta.check(cfg)
     check_array("kv", kv, (meta.num_tokens * cfg.num_shards, C.HEAD_DIM), jnp.bfloat16)

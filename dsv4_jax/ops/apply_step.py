@@ -14,6 +14,7 @@ import jax
 from .. import reference
 from ..meta import StepMeta
 from ..sharding import run_sharded
+from ..donation import warn_if_eager
 from ..state import CacheState
 from ._dispatch import check_state, ffi_in_place, resolve_impl
 
@@ -26,6 +27,7 @@ def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> Cach
     Bad rows (slot outside [0, R), logical/physical block out of range) are
     dropped and counted in `state.errors`; -1 rows are padding."""
     check_state(state)
+    warn_if_eager(state, "apply_step")
     if not isinstance(meta, StepMeta):
         raise ValueError(f"meta: expected a StepMeta, got {type(meta).__name__}")
     meta.check(state.config)
