@@ -55,8 +55,8 @@ def missing_module_reason(platform: str) -> str:
     loaded, and how to get it."""
     module = f"dsv4_jax.{_MODULES['CUDA' if platform == 'cuda' else platform]}"
     if platform == "cuda" and "cpu" in _registered:
-        return (f"{module} was not built with this package (the build found no CUDA "
-                f"compiler; `pip install -v` shows what CMake found)")
+        return (f"{module} was not built with this package (no CUDA compiler found, or "
+                f"DSV4_BUILD_CUDA=OFF; `pip install -v` shows what CMake did)")
     checkout = source_checkout()
     if checkout is not None:
         # Python imports the package from the checkout (the current directory
