@@ -105,3 +105,21 @@ def _leaf(state, dotted):
     for part in dotted.split("."):
         state = getattr(state, part)
     return state
+
+
+def test_reference_writes_of_no_rows_change_nothing():
+    """A step without tokens: append and flush on the reference leave every
+    byte as it was."""
+    cfg = dj.CacheConfig.tiny(max_requests=2, max_context=256)
+    state = dj.init_state(cfg)
+    meta = dj.StepMeta.build(token_slot=np.zeros(0), token_pos=np.zeros(0), lengths=[0, 0])
+
+    def step(s, m):
+        s = dj.append(s, 1, m, jnp.zeros((0, 512), jnp.bfloat16), impl="reference")
+        return dj.flush(s, 1, m, jnp.zeros((0, 1024)), jnp.zeros((0, 1024)),
+                        dj.CompressorParams.neutral("csa"), index_kv=jnp.zeros((0, 256)),
+                        index_score=jnp.zeros((0, 256)), impl="reference")
+    out = jax.jit(step)(state, meta)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(out), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8),
+                                      err_msg=jax.tree_util.keystr(path))

@@ -118,6 +118,8 @@ def _select_rows(pool, index, values):
     arrays = [a for a, i in enumerate(index) if not isinstance(i, slice) and jnp.ndim(i) == 1]
     scalars = [a for a, i in enumerate(index) if not isinstance(i, slice) and jnp.ndim(i) == 0]
     n = index[arrays[0]].shape[0]
+    if n == 0:                       # a step without tokens (or blocks): nothing to write
+        return pool
     # the last row that addresses each cell of the row-indexed axes, else -1
     row_map = jnp.full([lead[a] for a in arrays], -1, jnp.int32).at[
         tuple(index[a] for a in arrays)].max(jnp.arange(n, dtype=jnp.int32), mode="drop")
