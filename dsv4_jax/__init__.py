@@ -89,7 +89,8 @@ tests/test_example.py checks it against a dense float64 attention.
 from . import _ffi  # registers the FFI targets of the compiled modules
 from . import sharding
 from .config import CacheConfig
-from .errors import CacheInputError, ErrorKind, check_errors
+from .donation import NotDonatedWarning, check_donated
+from .errors import CacheInputError, ErrorKind, check_errors, reset_errors
 from .manager import CacheFullError, CacheManager
 from .memory import memory_report
 from .meta import StepMeta
@@ -105,7 +106,8 @@ from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, Windo
 __all__ = [
     "CacheConfig", "CacheState", "KVEntries", "IndexerKeys", "WindowState", "CSAState",
     "HCAState", "init_state", "StepMeta", "CacheManager", "CacheFullError", "CacheInputError",
-    "ErrorKind", "check_errors", "memory_report", "CompressorParams", "yarn_inv_freq",
+    "ErrorKind", "check_errors", "reset_errors", "check_donated", "NotDonatedWarning",
+    "memory_report", "CompressorParams", "yarn_inv_freq",
     "default_impl", "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
     "indexer_topk",
 ]

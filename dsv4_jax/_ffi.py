@@ -9,6 +9,7 @@ numerics probes, `dsv4_noop`); only a build with
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 
 import jax
@@ -64,6 +65,31 @@ def module_status() -> dict[str, str]:
               for p, n in _registered.items()}
     status.update({p: f"not loaded: {e}" for p, e in _load_errors.items()})
     return status
+
+
+def source_checkout() -> str | None:
+    """The source checkout this package was imported from (the folder with
+    CMakeLists.txt above dsv4_jax/), or None for an installed package."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return root if os.path.exists(os.path.join(root, "CMakeLists.txt")) else None
+
+
+def missing_module_reason(platform: str) -> str:
+    """One line: why the FFI module of `platform` ("cpu" / "cuda") is not
+    loaded, and how to get it."""
+    module = f"dsv4_jax.{_MODULES['CUDA' if platform == 'cuda' else platform]}"
+    if platform == "cuda" and "cpu" in _registered:
+        return (f"{module} was not built with this package (no CUDA compiler found, or "
+                f"DSV4_BUILD_CUDA=OFF; `pip install -v` shows what CMake did)")
+    checkout = source_checkout()
+    if checkout is not None:
+        # Python imports the package from the checkout (the current directory
+        # comes first on sys.path), not from where pip installed it.
+        return (f"{module} is not built in {os.path.join(checkout, 'dsv4_jax')}, the source "
+                f"checkout Python imports dsv4_jax from; build it in place with "
+                f"`pip install -e .` in {checkout}, or run from another directory")
+    error = _load_errors.get(platform, "not built")
+    return f"{module} did not load ({error}); reinstall with `pip install -v .` to see the build"
 
 
 try:

@@ -32,6 +32,10 @@ GIB = 1024 ** 3
 MLA_BYTES_PER_TOKEN_LAYER = 656
 
 
+class CliError(Exception):
+    """An error the command line reports in one line (exit code 2)."""
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -70,29 +74,114 @@ def _bytes(n: float) -> str:
 
 
 # ---- demo -------------------------------------------------------------------------------
-def _demo_defaults(args) -> None:
+# The demo replays every step through the jnp reference: beyond this many
+# steps it stops being a demo (hours on a CPU).
+DEMO_MAX_STEPS = 4096
+
+
+def _demo_defaults(args) -> set:
     """Fill options left unset: tiny on the CPU, the flash layer pattern
-    (with fewer, shorter requests than in serving) on an accelerator."""
+    (with fewer, shorter requests than in serving) on an accelerator.
+    Returns the names filled."""
     import jax
     on_cpu = jax.default_backend() == "cpu"
     defaults = (dict(model="tiny", requests=4, context=512, steps=32, chunk=64) if on_cpu else
                 dict(model="flash", requests=4, context=4096, steps=64, chunk=128))
+    filled = set()
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+            filled.add(name)
+    return filled
+
+
+def _memory_budget() -> tuple[int, str] | None:
+    """(bytes the demo may use, where) on the default device: the GPU's
+    memory limit, or the host's available memory on the CPU; None if unknown."""
+    import jax
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        return (int(limit), f"{device.platform.upper()} memory") if limit else None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available host memory"
+    except OSError:
+        pass
+    return None
+
+
+def _demo_limits(args, preset) -> None:
+    """Refuse, before anything runs, a demo that cannot fit in memory or
+    would take more than DEMO_MAX_STEPS steps; name the largest context that
+    would do."""
+    steps_room = DEMO_MAX_STEPS - args.steps
+    if steps_room < 1:
+        raise CliError(f"--steps {args.steps:,}: the demo runs at most {DEMO_MAX_STEPS:,} steps")
+    # prefill steps: ceil(longest prompt / chunk), the longest prompt being
+    # at most context - steps tokens
+    by_steps = steps_room * args.chunk + args.steps
+    budget = _memory_budget()
+
+    def state_bytes(context):
+        cfg = preset(max_requests=args.requests, max_context=context, kv_format=args.kv_format)
+        return memory_report(cfg).total
+
+    # Two states live at once: the run's and the reference replay's.
+    fits = (lambda ctx: True) if budget is None else (lambda ctx: 2 * state_bytes(ctx) <= budget[0])
+    if args.context <= by_steps and fits(args.context):
+        return
+    lo, hi = 0, min(args.context, by_steps) // C.BLOCK_TOKENS   # largest whole-block context that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * C.BLOCK_TOKENS) else (lo, mid - 1)
+    largest = lo * C.BLOCK_TOKENS
+    if args.context > by_steps:
+        steps = -(-(args.context - args.steps) // args.chunk) + args.steps
+        reason = (f"with --chunk {args.chunk} it takes up to {steps:,} steps, more than the "
+                  f"demo's {DEMO_MAX_STEPS:,}")
+    else:
+        reason = (f"the run and its reference replay need 2 x {_bytes(state_bytes(args.context))} "
+                  f"of cache, more than the {_bytes(budget[0])} of {budget[1]}")
+    hint = (f"the largest that fits is {largest:,}" if largest >= 2 * C.CSA_RATIO else
+            "fewer --requests would help")
+    raise CliError(f"--context {args.context:,}: {reason}; {hint}")
 
 
 def cmd_demo(args, parser) -> int:
     """Chunked prefill and a jitted decode loop over several requests, checked
     against the jnp reference."""
-    _demo_defaults(args)
-    if args.steps >= args.context:
-        parser.error(f"--steps: expected fewer decode steps than --context ({args.context}), "
-                     f"got {args.steps}")
+    filled = _demo_defaults(args)
     if args.context < 2 * C.CSA_RATIO:
         parser.error(f"--context: expected at least {2 * C.CSA_RATIO} tokens, got {args.context}")
+    if args.context > C.MAX_CONTEXT:
+        parser.error(f"--context: positions are int32, expected at most {C.MAX_CONTEXT:,} "
+                     f"tokens, got {args.context:,}")
+    if args.steps >= args.context:
+        if "steps" not in filled:
+            parser.error(f"--steps: expected fewer decode steps than --context "
+                         f"({args.context}), got {args.steps}")
+        args.steps = args.context // 2      # the default leaves room for the prompts
     import jax
     from . import demo
+    from .ops._dispatch import auto_means, resolve_impl
+
+    try:
+        impl = resolve_impl(args.impl, "dsv4_flush_csa")
+    except ValueError as e:
+        parser.error(f"--impl {args.impl}: {str(e).removeprefix('impl: ')}")
+    asked_reference = args.impl == "reference" or (args.impl == "auto" and auto_means() == "reference")
+    if impl == "reference" and not asked_reference:
+        # The demo exists to check the compiled handlers: running the
+        # reference against itself would PASS and test nothing.
+        platform = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
+        raise CliError(f"no FFI handlers to check on {platform}: "
+                       f"{_ffi.missing_module_reason(platform)} "
+                       f"(--impl reference checks the jnp reference against itself)")
+    _demo_limits(args, _PRESETS[args.model])
 
     ui = UI(plain=args.plain)
     cfg = _PRESETS[args.model](max_requests=args.requests, max_context=args.context,
@@ -102,11 +191,6 @@ def cmd_demo(args, parser) -> int:
     plan = demo.schedule(settings)
     if args.corrupt_at_step is not None and args.corrupt_at_step >= len(plan):
         parser.error(f"--corrupt-at-step: expected a step < {len(plan)}, got {args.corrupt_at_step}")
-    from .ops._dispatch import resolve_impl
-    try:
-        impl = resolve_impl(args.impl, "dsv4_flush_csa")
-    except ValueError as e:
-        parser.error(f"--impl: {e}")
     ui.line(f"dsv4_jax demo: model {cfg.model} ({cfg.num_layers} layers: {len(cfg.layers_of(C.SWA))} "
             f"SWA, {cfg.num_csa} CSA, {cfg.num_hca} HCA), kv_format {cfg.kv_format}, "
             f"backend {jax.default_backend()}, ops: {impl}")
@@ -140,7 +224,8 @@ def cmd_demo(args, parser) -> int:
     ], numeric=False)
     check = demo.check_against(ours.state, ref.state)
     if impl == "reference":
-        ui.line("note: no FFI module for this backend, so both runs used the reference ops")
+        ui.line("note: --impl reference: both runs used the jnp reference, so no FFI handler "
+                "was checked")
     ui.line(f"check against the reference: {'PASS' if check.ok else 'FAIL'} ({check.message})")
     return 0 if check.ok else 1
 
@@ -176,11 +261,14 @@ def plan_numbers(cfg: CacheConfig, context: int, gpu_memory_gib: float) -> dict:
 def cmd_plan(args, parser) -> int:
     """Memory plan: bytes per pool and layer kind, per request and per token;
     blocks; a V3.2-style MLA cache for comparison; requests that fit."""
+    if args.context > C.MAX_CONTEXT:
+        parser.error(f"--context: positions are int32, expected at most {C.MAX_CONTEXT:,} "
+                     f"tokens, got {args.context:,}")
     try:
         cfg = _PRESETS[args.model](max_requests=args.requests, max_context=args.context,
                                    kv_format=args.kv_format)
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:   # num_blocks beyond int32: too many requests of that context
+        parser.error(f"--requests {args.requests:,} x --context {args.context:,}: {e}")
     ui = UI(plain=args.plain)
     n = plan_numbers(cfg, args.context, args.gpu_memory)
     R, ctx = n["requests"], n["context"]
@@ -192,9 +280,14 @@ def cmd_plan(args, parser) -> int:
     rows.append(["total", f"{n['total']:,}", f"{n['total'] / MIB:,.2f}", f"{n['total'] / R:,.0f}",
                  f"{n['total'] / (R * ctx):,.2f}"])
     ui.table("state by pool", ["pool", "bytes", "MiB", "per request", "per token"], rows)
-    rows = [[kind, lk[kind], f"{b:,}", f"{b / MIB:,.2f}", f"{b / R:,.0f}", f"{b / (R * ctx):,.2f}"]
+    # Every layer has a sliding window: those are one row over all layers,
+    # and the csa / hca rows hold the compressed pools of their layers.
+    label = {C.SWA: ("windows", cfg.num_layers), C.CSA: ("csa", lk[C.CSA]),
+             C.HCA: ("hca", lk[C.HCA])}
+    rows = [[*label[kind], f"{b:,}", f"{b / MIB:,.2f}", f"{b / R:,.0f}", f"{b / (R * ctx):,.2f}"]
             for kind, b in n["by_kind"].items()]
-    ui.table("state by layer kind (window of every layer under swa)",
+    ui.table("state by layer kind (windows: the sliding window of every layer; csa, hca: "
+             "their compressed pools)",
              ["kind", "layers", "bytes", "MiB", "per request", "per token"], rows)
     ui.table(f"one request of {ctx:,} tokens", ["", "value"], [
         ["sliding windows (all layers)", f"{n['window_per_request']:,} B ({_bytes(n['window_per_request'])})"],
@@ -215,8 +308,11 @@ def cmd_plan(args, parser) -> int:
          f"no weights or activations"],
     ], numeric=False)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(n, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(n, f, indent=1)
+        except OSError as e:
+            raise CliError(f"--json {args.json}: cannot write it ({e.strerror})") from None
         ui.line(f"numbers written to {args.json}")
     return 0
 
@@ -225,10 +321,23 @@ def cmd_plan(args, parser) -> int:
 def cmd_info(args, parser) -> int:
     """Versions and which FFI modules loaded."""
     import jax
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
+    ui = UI(plain=args.plain)
+    ui.line(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     for platform, status in _ffi.module_status().items():
-        print(f"  {platform}: {status}")
+        if status.startswith("loaded") and not _has_devices(platform):
+            status = status.replace("loaded", "built", 1) + f", but no {platform.upper()} device is visible"
+        elif not status.startswith("loaded"):
+            status = "not loaded: " + _ffi.missing_module_reason(platform)
+        ui.line(f"  {platform}: {status}")
     return 0
+
+
+def _has_devices(platform: str) -> bool:
+    import jax
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:     # no backend of that platform here
+        return False
 
 
 # ---- bench (in dsv4_jax/bench/) ------------------------------------------------------------
@@ -283,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, json_default="bench.json", plot_default="bench.png")
     p.set_defaults(fn=cmd_bench)
 
-    sub.add_parser("info", help="versions and which FFI modules loaded").set_defaults(fn=cmd_info)
+    sub.add_parser("info", parents=[common], help="versions and which FFI modules loaded",
+                   description=cmd_info.__doc__).set_defaults(fn=cmd_info)
     return parser
 
 
@@ -294,4 +404,8 @@ def main(argv=None) -> int:
         argv = ["demo"] + argv          # demo is the default command
     args = parser.parse_args(argv)
     sub = parser._subparsers._group_actions[0].choices[args.command]
-    return args.fn(args, sub)
+    try:
+        return args.fn(args, sub)
+    except CliError as e:
+        print(f"{sub.prog}: error: {e}", file=sys.stderr)
+        return 2

@@ -34,6 +34,12 @@ ROPE_BETA_SLOW = 1.0
 
 KV_FORMATS = ("ds_fp8", "fp8_token", "bf16")
 
+# Positions, slots and block ids travel as int32 (StepMeta, the block table).
+INT32_MAX = 2 ** 31 - 1
+# Most tokens of one request: whole blocks, and the context itself (an
+# exclusive bound the ops compare int32 positions with) an int32.
+MAX_CONTEXT = INT32_MAX // BLOCK_TOKENS * BLOCK_TOKENS
+
 SWA, CSA, HCA = "swa", "csa", "hca"
 _KIND_OF_RATIO = {0: SWA, CSA_RATIO: CSA, HCA_RATIO: HCA}
 
@@ -88,6 +94,9 @@ class CacheConfig:
                 f"compress_ratios: expected each of 0, {CSA_RATIO} or {HCA_RATIO}, got {bad[0]!r}")
         _positive("max_requests", self.max_requests)
         _positive("num_blocks", self.num_blocks)
+        if self.num_blocks > INT32_MAX:
+            raise ValueError(f"num_blocks: block ids are int32, expected at most {INT32_MAX:,}, "
+                             f"got {self.num_blocks:,}")
         _positive("max_blocks_per_request", self.max_blocks_per_request)
         _positive("index_topk", self.index_topk)
         if self.kv_format not in KV_FORMATS:
@@ -105,6 +114,9 @@ class CacheConfig:
     @classmethod
     def _preset(cls, model, ratios, topk, max_requests, max_context, num_blocks, kv_format):
         _positive("max_context", max_context)
+        if max_context > MAX_CONTEXT:
+            raise ValueError(f"max_context: positions are int32, expected at most "
+                             f"{MAX_CONTEXT:,} tokens, got {max_context:,}")
         mb = blocks_for_tokens(max_context)
         if num_blocks is None:
             num_blocks = max_requests * mb

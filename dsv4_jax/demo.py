@@ -346,8 +346,8 @@ def check_against(got: CacheState, want: CacheState) -> Check:
             return Check(False, f"{name} counted bad input: "
                          + ", ".join(f"{k.name.lower()}={v}" for k, v in counts.items()), flips)
     n = flips.fp8 + flips.e2m1 + flips.bf16
-    return Check(True, f"pools equal to the reference up to {n} one-code flips "
-                 f"of {flips.total:,} codes", flips)
+    return Check(True, f"pools equal to the reference up to {n:,} one-code "
+                 f"flip{'' if n == 1 else 's'} of {flips.total:,} codes", flips)
 
 
 def entries_emitted(cfg: CacheConfig, lengths) -> dict:

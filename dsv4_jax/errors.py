@@ -7,8 +7,11 @@ the host and raises `CacheInputError` with a readable description.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -63,3 +66,14 @@ def check_errors(state_or_errors) -> None:
     counts = error_counts(state_or_errors)
     if counts:
         raise CacheInputError(counts)
+
+
+def reset_errors(state):
+    """The state with every error counter back at zero, e.g. once
+    `check_errors` was handled. Inside or outside jit; on a concrete state
+    the new counters keep the old ones' placement (sharded states too)."""
+    errors = state.errors
+    zeros = jnp.zeros(errors.shape, errors.dtype)
+    if not isinstance(errors, jax.core.Tracer):
+        zeros = jax.device_put(zeros, errors.sharding)
+    return dataclasses.replace(state, errors=zeros)

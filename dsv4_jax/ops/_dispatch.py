@@ -40,6 +40,12 @@ def default_impl(impl: str):
         _default_impl = saved
 
 
+def auto_means() -> str:
+    """What impl="auto" stands for now: "auto", or what `default_impl` /
+    DSV4_JAX_IMPL set."""
+    return _default_impl
+
+
 def _platform_of(arrays) -> str:
     """Platform of the first concrete array, else the default backend (under jit
     arrays are tracers and the computation runs on the default backend)."""
@@ -97,10 +103,13 @@ def check_array(name: str, x, shape: tuple, dtypes) -> None:
     """ValueError naming `name` unless x has `shape` (None = any size along an
     axis) and one of `dtypes`."""
     dtypes = tuple(np.dtype(d) for d in (dtypes if isinstance(dtypes, (tuple, list)) else (dtypes,)))
-    got_shape = tuple(getattr(x, "shape", ()))
+    want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):   # a list, a tuple, a Python int
+        raise ValueError(f"{name}: expected a jax or numpy array of shape {want} and dtype "
+                         f"{' or '.join(str(d) for d in dtypes)}, got {type(x).__name__}")
+    got_shape = tuple(x.shape)
     ok = len(got_shape) == len(shape) and all(e is None or e == g for e, g in zip(shape, got_shape))
     if not ok:
-        want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
         raise ValueError(f"{name}: expected shape {want}, got {list(got_shape)}")
     if np.dtype(getattr(x, "dtype", None)) not in dtypes:
         raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, "

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from .. import config as C
 from .. import reference
 from ..meta import StepMeta
+from ..donation import warn_if_eager
 from ..state import CacheState
 from ._dispatch import check_array, check_state, ffi_in_place, resolve_impl
 from ._layer import layer_operand, pick_layer, traced_layer
@@ -48,6 +49,7 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     BAD_POSITION (pos < 0 or >= max_context), NONFINITE (NaN or Inf in the
     row), BAD_LAYER."""
     check_state(state)
+    warn_if_eager(state, "append")
     cfg = state.config
     meta.check(cfg)
     check_array("kv", kv, (meta.num_tokens * cfg.num_shards, C.HEAD_DIM), jnp.bfloat16)

@@ -14,6 +14,7 @@ import jax
 from .. import reference
 from ..meta import StepMeta
 from ..sharding import run_sharded
+from ..donation import warn_if_eager
 from ..state import CacheState
 from ._dispatch import check_state, ffi_in_place, resolve_impl
 
@@ -39,6 +40,7 @@ def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> Cach
     dropped and counted in `state.errors` (BAD_SLOT, BAD_BLOCK_ASSIGNMENT);
     -1 rows are padding."""
     check_state(state)
+    warn_if_eager(state, "apply_step")
     if not isinstance(meta, StepMeta):
         raise ValueError(f"meta: expected a StepMeta, got {type(meta).__name__}")
     meta.check(state.config)

@@ -40,6 +40,7 @@ from .. import config as C
 from .. import reference
 from ..meta import StepMeta
 from ..params import CompressorParams
+from ..donation import warn_if_eager
 from ..state import CacheState
 from ._dispatch import check_array, check_state, ffi_in_place, resolve_impl
 from ._layer import layer_operand, pick_layer, traced_layer
@@ -90,6 +91,7 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
     BAD_POSITION, MISSING_BLOCK, NONFINITE (NaN or Inf in the token's rows),
     BAD_LAYER."""
     check_state(state)
+    warn_if_eager(state, "flush")
     cfg = state.config
     meta.check(cfg)
     kind = _kind_of(cfg, layer, kv)

@@ -7,7 +7,9 @@ Reads use clipped indices and mask the result.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..errors import NUM_ERROR_KINDS, ErrorKind
 
@@ -46,18 +48,34 @@ def token_checks(token_slot, token_pos, R: int, max_context: int):
     return slot_ok & pos_ok, ~pad & ~slot_ok, slot_ok & ~pos_ok
 
 
-
 def set_pool_rows(pool, index, values):
     """pool.at[index].set(values, mode="drop") that stays in place.
 
     `index` is a tuple with one entry per leading axis: a slice, a scalar, or
     an int array of n rows (all arrays alike); `values` either per row (rows
-    axis first) or broadcast to every row. With n = 1 XLA rewrites the
-    scatter into a dynamic-update-slice that its CPU backend fuses with the
-    update's computation into a fresh buffer and then copies into the donated
-    pool, a copy of the whole pool per decode step; one extra row with an
-    out-of-range index (dropped) keeps it a scatter, which updates in place."""
+    axis first) or broadcast to every row. Rows that address one cell are
+    written in row order (the last one stays).
+
+    On XLA's CPU backend a scatter into a pool of 8- or 16-bit floats is not
+    done on those types: XLA widens the whole pool to f32, scatters there and
+    narrows it back, three pool-sized temporaries per write. Such pools are
+    written there by `_select_rows` instead; every other case is a scatter."""
     values = jnp.asarray(values).astype(pool.dtype)
+    narrow_float = (jnp.issubdtype(pool.dtype, jnp.floating)
+                    and np.dtype(pool.dtype).itemsize in _UINT_OF_WIDTH)
+    if narrow_float and _select_applies(pool, index, values):
+        return jax.lax.platform_dependent(
+            pool, values, cpu=lambda p, v: _select_rows(p, index, v),
+            default=lambda p, v: _scatter_rows(p, index, v))
+    return _scatter_rows(pool, index, values)
+
+
+def _scatter_rows(pool, index, values):
+    """The write as a scatter. With n = 1 row XLA rewrites the scatter into a
+    dynamic-update-slice that its CPU backend fuses with the update's
+    computation into a fresh buffer and then copies into the donated pool, a
+    copy of the whole pool per decode step; one extra row with an
+    out-of-range index (dropped) keeps it a scatter, which updates in place."""
     rows = [i for i in index if not isinstance(i, slice) and jnp.ndim(i) == 1]
     if rows and rows[0].shape[0] == 1:
         index = tuple(i if isinstance(i, slice) or jnp.ndim(i) == 0 else
@@ -68,3 +86,65 @@ def set_pool_rows(pool, index, values):
         if values.ndim and not isinstance(index[0], slice) and values.shape[0] == 1:
             values = jnp.concatenate([values, values], axis=0)
     return pool.at[index].set(values, mode="drop")
+
+
+# unsigned integer of each float width the select path handles
+_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _select_applies(pool, index, values) -> bool:
+    """Whether `_select_rows` covers this write: at least one row array, the
+    scalars and arrays on adjacent axes, and the values one scalar or per row
+    with nothing but the entry after the addressed axes."""
+    picked = [a for a, i in enumerate(index) if not isinstance(i, slice)]
+    if not any(jnp.ndim(index[a]) == 1 for a in picked):
+        return False
+    if picked != list(range(picked[0], picked[-1] + 1)):
+        return False
+    if values.ndim == 0:
+        return True
+    return picked[0] == 0 and picked[-1] == len(index) - 1
+
+
+def _select_rows(pool, index, values):
+    """The write as one select over the whole pool, on the pool's bits:
+    element e takes values[row(e)] where a row addresses its cell, else keeps
+    its bits. A select is an elementwise op, so XLA writes it into the
+    donated pool in place, with no temporary beyond an int32 map of rows
+    over the row-indexed axes; it reads and writes the pool once, where XLA's
+    CPU scatter on these types passes over it three times."""
+    k = len(index)
+    lead = pool.shape[:k]
+    arrays = [a for a, i in enumerate(index) if not isinstance(i, slice) and jnp.ndim(i) == 1]
+    scalars = [a for a, i in enumerate(index) if not isinstance(i, slice) and jnp.ndim(i) == 0]
+    n = index[arrays[0]].shape[0]
+    if n == 0:                       # a step without tokens (or blocks): nothing to write
+        return pool
+    # the last row that addresses each cell of the row-indexed axes, else -1
+    row_map = jnp.full([lead[a] for a in arrays], -1, jnp.int32).at[
+        tuple(index[a] for a in arrays)].max(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    # scalar indices as jnp reads them: negatives count from the end
+    at = jnp.stack([jnp.asarray(index[a], jnp.int32) % lead[a] if lead[a] else jnp.int32(0)
+                    for a in scalars] + [jnp.int32(0)])
+    in_range = jnp.all(jnp.stack([(jnp.asarray(index[a]) >= -lead[a])
+                                  & (jnp.asarray(index[a]) < lead[a]) for a in scalars]
+                                 + [jnp.bool_(True)]))
+    uint = _UINT_OF_WIDTH[np.dtype(pool.dtype).itemsize]
+
+    def select(pool, new, row_map, at):
+        rows = jnp.broadcast_to(
+            row_map.reshape([lead[a] if a in arrays else 1 for a in range(k)]), lead)
+        for j, axis in enumerate(scalars):
+            rows = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lead, axis) == at[j], rows, -1)
+        if new.ndim:                                       # per row: row r's entry
+            new = jnp.broadcast_to(new, (n,) + pool.shape[k:])[jnp.clip(rows, 0, n - 1)]
+        hit = (rows >= 0).reshape(lead + (1,) * (pool.ndim - k))
+        bits = jax.lax.bitcast_convert_type(pool, uint)
+        return jax.lax.bitcast_convert_type(jnp.where(hit, new, bits), pool.dtype)
+
+    # The branch boundary makes XLA compute the rows' values once, at their
+    # own size (fused into the select they are materialized at the pool's
+    # size), and skips the pass over the pool when no row lands in it.
+    return jax.lax.cond(in_range & jnp.any(row_map >= 0), select,
+                        lambda pool, *_: pool,
+                        pool, jax.lax.bitcast_convert_type(values, uint), row_map, at)
