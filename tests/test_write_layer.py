@@ -418,6 +418,10 @@ def test_cuda_append_matches_cpu(case, fmt, mark):
             st = dj.append(st, layer, m, x, impl=impl)
         outs[impl] = jax.device_get(st)
     assert_trees_bytes_equal(outs["cuda"], outs["cpu"])
-    assert np.asarray(outs["cpu"].errors).sum() == 2 * (
-        len(nan_rows) + np.sum((slot != -1) & ((slot < 0) | (slot >= nreq)))
-        + np.sum((slot >= 0) & (slot < nreq) & ((pos < 0) | (pos >= 8192))))
+    good_slot = (slot >= 0) & (slot < nreq)
+    good = good_slot & (pos >= 0) & (pos < 8192)
+    want = {K.BAD_SLOT: np.sum((slot != -1) & ~good_slot),
+            K.BAD_POSITION: np.sum(good_slot & ~good),
+            K.NONFINITE: np.sum(good[np.asarray(nan_rows, int)])}
+    got = np.asarray(outs["cpu"].errors)
+    assert {k: int(got[k]) for k in want} == {k: 2 * int(v) for k, v in want.items()}
