@@ -83,11 +83,11 @@ ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     WriteLayerCsaCuda, WriteLayerCsaImpl,
-    BindWriteLayerCsa(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    BindWriteLayer<true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     WriteLayerHcaCuda, WriteLayerHcaImpl,
-    BindWriteLayerHca(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    BindWriteLayer<false>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

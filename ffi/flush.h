@@ -71,25 +71,37 @@ struct FlushArgs {
   EntryPool pool;                   // [L, N, per_block]
 };
 
+// The compressor's operands, in flush's order (write_layer's too): kv,
+// score, ape, norm, inv_freq, the indexer's five (CSA), block_table.
+template <bool kCsa, typename Binding>
+auto BindCompressorArgs(Binding binding) {
+  auto main = std::move(binding)
+                  .template Arg<ffi::AnyBuffer>()   // kv
+                  .template Arg<ffi::AnyBuffer>()   // score
+                  .template Arg<ffi::AnyBuffer>()   // ape
+                  .template Arg<ffi::AnyBuffer>()   // norm
+                  .template Arg<ffi::AnyBuffer>();  // inv_freq
+  if constexpr (kCsa) {
+    return std::move(main)
+        .template Arg<ffi::AnyBuffer>()   // index_kv
+        .template Arg<ffi::AnyBuffer>()   // index_score
+        .template Arg<ffi::AnyBuffer>()   // index_ape
+        .template Arg<ffi::AnyBuffer>()   // index_norm
+        .template Arg<ffi::AnyBuffer>()   // index_inv_freq
+        .template Arg<ffi::AnyBuffer>();  // block_table
+  } else {
+    return std::move(main).template Arg<ffi::AnyBuffer>();  // block_table
+  }
+}
+
 template <typename Binding>
 auto BindFlushCsa(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Attr<int64_t>("max_context")
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
-      .template Arg<ffi::AnyBuffer>()  // kv
-      .template Arg<ffi::AnyBuffer>()  // score
-      .template Arg<ffi::AnyBuffer>()  // ape
-      .template Arg<ffi::AnyBuffer>()  // norm
-      .template Arg<ffi::AnyBuffer>()  // inv_freq
-      .template Arg<ffi::AnyBuffer>()  // index_kv
-      .template Arg<ffi::AnyBuffer>()  // index_score
-      .template Arg<ffi::AnyBuffer>()  // index_ape
-      .template Arg<ffi::AnyBuffer>()  // index_norm
-      .template Arg<ffi::AnyBuffer>()  // index_inv_freq
-      .template Arg<ffi::AnyBuffer>()  // block_table
+  return BindCompressorArgs<true>(std::move(binding)
+                                      .template Attr<int64_t>("kv_format")
+                                      .template Attr<int64_t>("max_context")
+                                      .template Arg<ffi::AnyBuffer>()   // layer
+                                      .template Arg<ffi::AnyBuffer>()   // token_slot
+                                      .template Arg<ffi::AnyBuffer>())  // token_pos
       .RemainingArgs()                 // comp, icomp, index.packed, index.scale, errors, entries
       .template Ret<ffi::AnyBuffer>()  // comp
       .template Ret<ffi::AnyBuffer>()  // icomp
@@ -101,18 +113,12 @@ auto BindFlushCsa(Binding binding) {
 
 template <typename Binding>
 auto BindFlushHca(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Attr<int64_t>("max_context")
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
-      .template Arg<ffi::AnyBuffer>()  // kv
-      .template Arg<ffi::AnyBuffer>()  // score
-      .template Arg<ffi::AnyBuffer>()  // ape
-      .template Arg<ffi::AnyBuffer>()  // norm
-      .template Arg<ffi::AnyBuffer>()  // inv_freq
-      .template Arg<ffi::AnyBuffer>()  // block_table
+  return BindCompressorArgs<false>(std::move(binding)
+                                       .template Attr<int64_t>("kv_format")
+                                       .template Attr<int64_t>("max_context")
+                                       .template Arg<ffi::AnyBuffer>()   // layer
+                                       .template Arg<ffi::AnyBuffer>()   // token_slot
+                                       .template Arg<ffi::AnyBuffer>())  // token_pos
       .RemainingArgs()                 // comp, errors, entries
       .template Ret<ffi::AnyBuffer>()  // comp
       .template Ret<ffi::AnyBuffer>()  // errors

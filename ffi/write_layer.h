@@ -27,59 +27,37 @@ struct WriteLayerArgs {
   FlushArgs flush;
 };
 
-template <typename Binding>
-auto BindWriteLayerCsa(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Attr<int64_t>("max_context")
-      .template Arg<ffi::AnyBuffer>()  // window_layer
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
-      .template Arg<ffi::AnyBuffer>()  // kv
-      .template Arg<ffi::AnyBuffer>()  // comp_kv
-      .template Arg<ffi::AnyBuffer>()  // comp_score
-      .template Arg<ffi::AnyBuffer>()  // ape
-      .template Arg<ffi::AnyBuffer>()  // norm
-      .template Arg<ffi::AnyBuffer>()  // inv_freq
-      .template Arg<ffi::AnyBuffer>()  // index_kv
-      .template Arg<ffi::AnyBuffer>()  // index_score
-      .template Arg<ffi::AnyBuffer>()  // index_ape
-      .template Arg<ffi::AnyBuffer>()  // index_norm
-      .template Arg<ffi::AnyBuffer>()  // index_inv_freq
-      .template Arg<ffi::AnyBuffer>()  // block_table
-      .RemainingArgs()                 // the aliased buffers
-      .RemainingRets();                // the same, updated
+template <bool kCsa, typename Binding>
+auto BindWriteLayer(Binding binding) {
+  return BindCompressorArgs<kCsa>(std::move(binding)
+                                      .template Attr<int64_t>("kv_format")
+                                      .template Attr<int64_t>("max_context")
+                                      .template Arg<ffi::AnyBuffer>()   // window_layer
+                                      .template Arg<ffi::AnyBuffer>()   // layer
+                                      .template Arg<ffi::AnyBuffer>()   // token_slot
+                                      .template Arg<ffi::AnyBuffer>()   // token_pos
+                                      .template Arg<ffi::AnyBuffer>())  // kv (the window's)
+      .RemainingArgs()   // the aliased buffers
+      .RemainingRets();  // the same, updated
 }
 
-template <typename Binding>
-auto BindWriteLayerHca(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Attr<int64_t>("max_context")
-      .template Arg<ffi::AnyBuffer>()  // window_layer
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
-      .template Arg<ffi::AnyBuffer>()  // kv
-      .template Arg<ffi::AnyBuffer>()  // comp_kv
-      .template Arg<ffi::AnyBuffer>()  // comp_score
-      .template Arg<ffi::AnyBuffer>()  // ape
-      .template Arg<ffi::AnyBuffer>()  // norm
-      .template Arg<ffi::AnyBuffer>()  // inv_freq
-      .template Arg<ffi::AnyBuffer>()  // block_table
-      .RemainingArgs()                 // the aliased buffers
-      .RemainingRets();                // the same, updated
-}
+// flush's aliased results in a write_layer call: its fixed buffers (errors
+// the last) and its pool's entry leaves.
+struct FlushAliased {
+  std::vector<ffi::AnyBuffer> fixed, leaves;
+};
 
-// The aliased inputs and results of a write_layer call: swa.pos, the window's
-// entry leaves, then flush's `flush_fixed` aliased buffers and its pool's
-// entry leaves (as many as the window's: one kv_format).
-inline ffi::Error CollectWriteLayerAliased(const std::string& what, int64_t kv_format,
-                                           size_t flush_fixed, const ffi::RemainingArgs& args,
-                                           const ffi::RemainingRets& rets,
-                                           std::vector<ffi::AnyBuffer>* ins,
-                                           std::vector<ffi::AnyBuffer>* outs) {
+// The aliased operands of a write_layer call are swa.pos, the window's entry
+// leaves, then flush's `flush_fixed` buffers (errors last) and its pool's
+// entry leaves, as many as the window's (one kv_format). Counts them, checks
+// the append part (into out->append) and returns flush's part.
+inline ffi::Error ValidateWriteLayerWindow(const std::string& what, int64_t kv_format,
+                                           int64_t max_context, ffi::AnyBuffer window_layer,
+                                           ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                                           ffi::AnyBuffer kv, size_t flush_fixed,
+                                           const ffi::RemainingArgs& args,
+                                           const ffi::RemainingRets& rets, WriteLayerArgs* out,
+                                           FlushAliased* flush) {
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   const size_t n = EntryLeafCount(kv_format);
   const size_t want = 1 + n + flush_fixed + n;
@@ -90,13 +68,17 @@ inline ffi::Error CollectWriteLayerAliased(const std::string& what, int64_t kv_f
         std::to_string(flush_fixed) + " of flush's, " + std::to_string(n) +
         " pool leaves), got " + std::to_string(args.size()) + " inputs and " +
         std::to_string(rets.size()) + " results");
-  DSV4_RETURN_IF_ERROR(CollectLeaves(args, ins));
-  return CollectLeaves(rets, outs);
-}
-
-inline std::vector<ffi::AnyBuffer> Slice(const std::vector<ffi::AnyBuffer>& v, size_t from,
-                                         size_t count) {
-  return std::vector<ffi::AnyBuffer>(v.begin() + from, v.begin() + from + count);
+  std::vector<ffi::AnyBuffer> ins, outs;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(args, &ins));
+  DSV4_RETURN_IF_ERROR(CollectLeaves(rets, &outs));
+  const size_t f = 1 + n, err = f + flush_fixed - 1;
+  const auto part = [&](size_t from, size_t count) {
+    return std::vector<ffi::AnyBuffer>(outs.begin() + from, outs.begin() + from + count);
+  };
+  flush->fixed = part(f, flush_fixed);
+  flush->leaves = part(f + flush_fixed, n);
+  return ValidateAppend(kv_format, max_context, window_layer, token_slot, token_pos, kv, ins[0],
+                        ins[err], n, outs[0], outs[err], part(1, n), &out->append);
 }
 
 inline ffi::Error ValidateWriteLayerCsa(
@@ -107,19 +89,15 @@ inline ffi::Error ValidateWriteLayerCsa(
     ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm, ffi::AnyBuffer index_inv_freq,
     ffi::AnyBuffer block_table, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
     WriteLayerArgs* out) {
-  constexpr size_t kFixed = 5;  // comp, icomp, index.packed, index.scale, errors
-  std::vector<ffi::AnyBuffer> ins, outs;
-  DSV4_RETURN_IF_ERROR(
-      CollectWriteLayerAliased("write_layer_csa", kv_format, kFixed, args, rets, &ins, &outs));
-  const size_t n = EntryLeafCount(kv_format), f = 1 + n, err = f + kFixed - 1;
-  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, window_layer, token_slot,
-                                      token_pos, kv, ins[0], ins[err], n, outs[0], outs[err],
-                                      Slice(outs, 1, n), &out->append));
+  FlushAliased fa;  // comp, icomp, index.packed, index.scale, errors
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_csa", kv_format, max_context,
+                                                window_layer, token_slot, token_pos, kv, 5, args,
+                                                rets, out, &fa));
   return ValidateFlushCsa(kv_format, max_context, layer, token_slot, token_pos, comp_kv,
                           comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape,
-                          index_norm, index_inv_freq, block_table, kFixed + n, outs[f],
-                          outs[f + 1], outs[f + 2], outs[f + 3], outs[err],
-                          Slice(outs, f + kFixed, n), &out->flush, "comp_");
+                          index_norm, index_inv_freq, block_table, 5 + fa.leaves.size(),
+                          fa.fixed[0], fa.fixed[1], fa.fixed[2], fa.fixed[3], fa.fixed[4],
+                          fa.leaves, &out->flush, "comp_");
 }
 
 inline ffi::Error ValidateWriteLayerHca(
@@ -128,17 +106,13 @@ inline ffi::Error ValidateWriteLayerHca(
     ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
     ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table, const ffi::RemainingArgs& args,
     const ffi::RemainingRets& rets, WriteLayerArgs* out) {
-  constexpr size_t kFixed = 2;  // comp, errors
-  std::vector<ffi::AnyBuffer> ins, outs;
-  DSV4_RETURN_IF_ERROR(
-      CollectWriteLayerAliased("write_layer_hca", kv_format, kFixed, args, rets, &ins, &outs));
-  const size_t n = EntryLeafCount(kv_format), f = 1 + n, err = f + kFixed - 1;
-  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, window_layer, token_slot,
-                                      token_pos, kv, ins[0], ins[err], n, outs[0], outs[err],
-                                      Slice(outs, 1, n), &out->append));
+  FlushAliased fa;  // comp, errors
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_hca", kv_format, max_context,
+                                                window_layer, token_slot, token_pos, kv, 2, args,
+                                                rets, out, &fa));
   return ValidateFlushHca(kv_format, max_context, layer, token_slot, token_pos, comp_kv,
-                          comp_score, ape, norm, inv_freq, block_table, kFixed + n, outs[f],
-                          outs[err], Slice(outs, f + kFixed, n), &out->flush, "comp_");
+                          comp_score, ape, norm, inv_freq, block_table, 2 + fa.leaves.size(),
+                          fa.fixed[0], fa.fixed[1], fa.leaves, &out->flush, "comp_");
 }
 
 }  // namespace dsv4

@@ -49,8 +49,8 @@ ffi::Error WriteLayerHcaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuf
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WriteLayerCsaCpu, WriteLayerCsaImpl,
-                              BindWriteLayerCsa(ffi::Ffi::Bind()));
+                              BindWriteLayer<true>(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(WriteLayerHcaCpu, WriteLayerHcaImpl,
-                              BindWriteLayerHca(ffi::Ffi::Bind()));
+                              BindWriteLayer<false>(ffi::Ffi::Bind()));
 
 }  // namespace dsv4

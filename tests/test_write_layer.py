@@ -425,3 +425,37 @@ def test_cuda_append_matches_cpu(case, fmt, mark):
             K.NONFINITE: np.sum(good[np.asarray(nan_rows, int)])}
     got = np.asarray(outs["cpu"].errors)
     assert {k: int(got[k]) for k in want} == {k: 2 * int(v) for k, v in want.items()}
+
+
+@requires_cpu_ffi
+def test_ffi_operands_checked_as_append_and_flush_check_them():
+    """The FFI target itself: a missing aliased buffer is named by count, a
+    bad window row by append's check, a bad projection by flush's (as comp_kv)."""
+    cfg = C.CacheConfig.tiny()
+    st = dj.init_state(cfg)
+    p = layer_params(cfg, seed=1)[2]
+    n = 4
+    z = lambda *s: jnp.zeros(s, jnp.float32)
+
+    def call(kv=None, ckv=None, drop_leaf=False):
+        aliased = [st.swa.pos, *jax.tree_util.tree_leaves(st.swa.kv), st.hca.comp, st.errors,
+                   *jax.tree_util.tree_leaves(st.hca.kv)][:-1 if drop_leaf else None]
+        args = [jnp.int32(0), jnp.int32(0), jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                jnp.zeros((n, 512), jnp.bfloat16) if kv is None else kv,
+                z(n, 512) if ckv is None else ckv, z(n, 512), p.ape, p.norm, p.inv_freq,
+                st.block_table, *aliased]
+        f = jax.ffi.ffi_call("dsv4_write_layer_hca",
+                             [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased],
+                             input_output_aliases={11 + i: i for i in range(len(aliased))})
+        return jax.block_until_ready(f(*args, kv_format=np.int64(0),
+                                       max_context=np.int64(cfg.max_context)))
+
+    out = call()
+    assert np.asarray(out[0])[0, 0, :4].tolist() == [0, 1, 2, 3]
+    with pytest.raises(Exception, match=r"write_layer_hca: expected 9 aliased buffers .* "
+                                        r"got 8 inputs and 8 results"):
+        call(drop_leaf=True)
+    with pytest.raises(Exception, match=r"kv: expected shape \[4, 512\], got \[4, 448\]"):
+        call(kv=jnp.zeros((n, 448), jnp.bfloat16))
+    with pytest.raises(Exception, match=r"comp_kv: expected dtype float32, got bfloat16"):
+        call(ckv=jnp.zeros((n, 512), jnp.bfloat16))
