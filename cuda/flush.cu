@@ -1,302 +1,32 @@
 // CUDA handlers of flush for CSA and HCA layers (operands and semantics in
-// ffi/flush.h, per-token rules in dsv4_jax/ops/flush.py).
-//
-// One launch per call. Each request of the call is walked by exactly one
-// block: the block that meets the request's first row (rows are dealt to
-// blocks grid-stride; a row whose slot appeared in an earlier row is not a
-// first row). That block folds the request's tokens in row order, exactly
-// the host's order, with one thread per channel holding that channel's
-// online-softmax accumulators in registers (threads 0..127 also the
-// indexer's). A token that closes a window runs the epilogue across the
-// block (shared memory for RMSNorm's ordered partial sums, RoPE pairs and
-// the Hadamard butterflies) and one warp stores the entry. The gating is the
-// host's: window w closes at the token of position (w+1)m - 1. Dropped
-// tokens are counted once each, by the block that owns the row (bad slot) or
-// the request (bad position, missing block).
+// ffi/flush.h, per-token rules in dsv4_jax/ops/flush.py). The kernel is the
+// block code of cuda/flush_block.cuh over the whole grid, launched so that
+// it may start under its predecessor's tail (it waits before reading).
 #include <cuda_runtime.h>
 
 #include "flush.h"
+#include "flush_block.cuh"
 #include "handlers_cuda.h"
 #include "kernels.cuh"
 
 namespace dsv4 {
 namespace {
 
-constexpr int kThreads = kHeadDim;  // one thread per channel of an entry
-
-struct Shared {
-  float x[kHeadDim];    // main entry under its epilogue
-  float ix[kIndexDim];  // indexer key under its epilogue
-  float ss[2];          // sums of squares (main, index)
-};
-
-// The epilogue of docs/design.md §3 on a d-channel row held one channel per thread
-// (threads >= d only take part in the barriers). `v` is this thread's pooled
-// value; on return xs[0..d) holds the bf16-valued row to store.
-__device__ void BlockEpilogue(float v, int d, const float* norm, const float* inv_freq,
-                              int64_t pos, float* xs, float* ss) {
-  const int c = threadIdx.x;
-  const bool active = c < d;
-  if (active) {
-    v = num::RoundBf16(v);
-    xs[c] = v;
-  }
-  __syncthreads();
-  if (c < 32) {
-    // the 32 strided partial sums of num::SumSquares, then its halving fold
-    float part = 0.f;
-    for (int k = c; k < d; k += 32) part = part + xs[k] * xs[k];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) part = part + __shfl_down_sync(cuda::kFull, part, off);
-    if (c == 0) *ss = part;
-  }
-  __syncthreads();
-  if (active) {
-    const float inv = num::RmsInvFromSumSquares(*ss, d);
-    v = num::RoundBf16((v * inv) * __ldg(norm + c));
-    xs[c] = v;
-  }
-  __syncthreads();
-  const int r0 = d - kRopeDim;
-  const bool rope = active && c >= r0;
-  if (rope) {
-    const int k = (c - r0) >> 1;
-    float y0, y1;
-    num::RopePair(xs[r0 + 2 * k], xs[r0 + 2 * k + 1],
-                  static_cast<float>(pos) * __ldg(inv_freq + k), &y0, &y1);
-    v = num::RoundBf16((c & 1) ? y1 : y0);
-  }
-  __syncthreads();
-  if (rope) xs[c] = v;
-  __syncthreads();
-}
-
-// Warp 0 stores the main entry held in xs.
-__device__ void StoreEntry(const EntryPool& pool, int64_t e, const float* xs) {
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  float lo[8], hi[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    lo[i] = xs[8 * lane + i];
-    hi[i] = xs[256 + 8 * lane + i];
-  }
-  cuda::WarpEncodeEntry(pool, e, lo, hi);
-}
-
-// Hadamard, bf16 rounding and MXFP4 of the indexer key in ix (threads 0..127
-// hold a channel; all threads reach the barriers).
-__device__ void StoreIndexKey(const FlushArgs& a, int64_t e, float* ix) {
-  const int c = threadIdx.x;
-  for (int h = 1; h < kIndexDim; h <<= 1) {
-    if (c < kIndexDim / 2) {
-      const int j = (c / h) * 2 * h + (c % h);
-      const float x0 = ix[j], x1 = ix[j + h];
-      ix[j] = x0 + x1;
-      ix[j + h] = x0 - x1;
-    }
-    __syncthreads();
-  }
-  if (c < kIndexDim) {
-    const float v = num::RoundBf16(ix[c] * num::HadamardScale());
-    const int lane = c & 31, blk = c >> 5;
-    float amax = num::AmaxWith(num::Mxfp4AmaxFloor(), v);
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1)
-      amax = num::MaxF(amax, __shfl_xor_sync(cuda::kFull, amax, off));
-    const uint8_t sb = num::Mxfp4ScaleByte(amax);
-    const uint32_t code = num::Mxfp4Encode(v, num::E8m0Inverse(sb));
-    const uint32_t odd = __shfl_down_sync(cuda::kFull, code, 1);
-    if ((lane & 1) == 0)
-      a.index_packed[e * kIndexPacked + 16 * blk + (lane >> 1)] =
-          static_cast<uint8_t>(code | (odd << 4));
-    if (lane == 0) a.index_scale[e * kIndexScales + blk] = sb;
-  }
-  __syncthreads();
-}
-
-// One token's operands for one thread's channel(s), loaded ahead of use:
-// score, ape and kv of the half folded into `cur` (b) and into `nxt` (a),
-// main and indexer; the token's position, block and error (or -1).
-struct TokenIn {
-  int64_t p = 0, block = -1;
-  int err = -1;
-  float sb = 0.f, ab = 0.f, vb = 0.f, sa = 0.f, aa = 0.f, va = 0.f;
-  float isb = 0.f, iab = 0.f, ivb = 0.f, isa = 0.f, iaa = 0.f, iva = 0.f;
-};
-
-struct Acc3 {
-  float* base;  // rows max, sum, kv of one accumulator, width d
-  int d;
-  __device__ num::SoftmaxAcc Load(int c) const {
-    return num::SoftmaxAcc{base[c], base[d + c], base[2 * d + c]};
-  }
-  __device__ void Store(int c, num::SoftmaxAcc v) const {
-    base[c] = v.m;
-    base[d + c] = v.s;
-    base[2 * d + c] = v.kv;
-  }
-};
-
-// Walks the tokens of request slot s from row t0 on, in row order.
-template <bool kCsa>
-__device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0, Shared& sh) {
-  const int c = threadIdx.x;
-  const CompressorView& mv = a.main;
-  const int64_t coff = kCsa ? 2 : 1;
-  const int64_t mw = coff * kHeadDim;
-  const int64_t m = kCsa ? kCsaRatio : kHcaRatio;
-  const Acc3 cur_row{mv.comp + (l * a.R + s) * coff * 3 * kHeadDim, kHeadDim};
-  const Acc3 nxt_row{cur_row.base + 3 * kHeadDim, kHeadDim};
-  num::SoftmaxAcc cur = cur_row.Load(c), nxt = num::EmptyAcc();
-  if (kCsa) nxt = nxt_row.Load(c);
-  // indexer (CSA): threads 0..127
-  const bool ich = kCsa && c < kIndexDim;
-  const int64_t iw = 2 * kIndexDim;
-  Acc3 icur_row{nullptr, kIndexDim}, inxt_row{nullptr, kIndexDim};
-  num::SoftmaxAcc icur = num::EmptyAcc(), inxt = num::EmptyAcc();
-  if (ich) {
-    icur_row.base = a.index.comp + (l * a.R + s) * 2 * 3 * kIndexDim;
-    inxt_row.base = icur_row.base + 3 * kIndexDim;
-    icur = icur_row.Load(c);
-    inxt = inxt_row.Load(c);
-  }
-  // Software pipeline: the next token of this request is found and its
-  // inputs loaded (addresses always in bounds) before the current token is
-  // folded, so the chain slot -> pos -> block table -> projections is not
-  // paid in full per token. The order of the folds is unchanged.
-  auto next_row = [&](int64_t from) {
-    while (from < a.T && __ldg(a.slot + from) != s) ++from;
-    return from;
-  };
-  auto load = [&](int64_t t) {
-    TokenIn in;
-    in.p = __ldg(a.pos + t);
-    in.err = -1;
-    in.block = -1;
-    if (in.p < 0 || in.p >= a.max_context || in.p / kBlockTokens >= a.MB) {
-      in.err = kBadPosition;
-    } else {
-      in.block = __ldg(a.block_table + s * a.MB + in.p / kBlockTokens);
-      if (in.block < 0 || in.block >= a.N) in.err = kMissingBlock;
-    }
-    const int64_t pm = in.p >= 0 ? in.p % m : 0;
-    const float* kv = mv.kv + t * mw;
-    const float* sc = mv.score + t * mw;
-    const float* ape = mv.ape + pm * mw;
-    const int hb = kCsa ? kHeadDim : 0;  // the half folded into `cur`
-    in.sb = __ldg(sc + hb + c);
-    in.ab = __ldg(ape + hb + c);
-    in.vb = __ldg(kv + hb + c);
-    if (kCsa) {
-      in.sa = __ldg(sc + c);
-      in.aa = __ldg(ape + c);
-      in.va = __ldg(kv + c);
-    }
-    if (ich) {
-      const float* ikv = a.index.kv + t * iw;
-      const float* isc = a.index.score + t * iw;
-      const float* iape = a.index.ape + pm * iw;
-      in.isb = __ldg(isc + kIndexDim + c);
-      in.iab = __ldg(iape + kIndexDim + c);
-      in.ivb = __ldg(ikv + kIndexDim + c);
-      in.isa = __ldg(isc + c);
-      in.iaa = __ldg(iape + c);
-      in.iva = __ldg(ikv + c);
-    }
-    return in;
-  };
-  bool touched = false;
-  int64_t t = next_row(t0);
-  TokenIn in = load(t);  // t0 is a row of s, so t < T
-  while (t < a.T) {
-    const int64_t tn = next_row(t + 1);
-    TokenIn nin;
-    if (tn < a.T) nin = load(tn);
-    const TokenIn cin = in;
-    t = tn;
-    in = nin;
-    if (cin.err >= 0) {
-      if (c == 0) atomicAdd(&a.errors[cin.err], 1);
-      continue;
-    }
-    // NaN/Inf anywhere in the token's inputs drops it: each thread checks the
-    // channels it loaded, the block decides together (cin.err is uniform).
-    bool bad = !(num::IsFinite(cin.sb) && num::IsFinite(cin.vb));
-    if (kCsa) bad = bad || !(num::IsFinite(cin.sa) && num::IsFinite(cin.va));
-    if (ich) {
-      bad = bad || !(num::IsFinite(cin.isb) && num::IsFinite(cin.ivb) &&
-                     num::IsFinite(cin.isa) && num::IsFinite(cin.iva));
-    }
-    if (__syncthreads_or(bad)) {
-      if (c == 0) atomicAdd(&a.errors[kNonfinite], 1);
-      continue;
-    }
-    touched = true;
-    const int64_t p = cin.p, block = cin.block;
-    const int64_t w = p / m;
-    const bool closes = p % m == m - 1;
-    cur = num::AccumulateAcc(cur, cin.sb + cin.ab, cin.vb);
-    if (kCsa) nxt = num::AccumulateAcc(nxt, cin.sa + cin.aa, cin.va);
-    if (ich) {
-      icur = num::AccumulateAcc(icur, cin.isb + cin.iab, cin.ivb);
-      inxt = num::AccumulateAcc(inxt, cin.isa + cin.iaa, cin.iva);
-    }
-    if (!closes) continue;
-    const int64_t e = (l * a.N + block) * a.per_block + w % a.per_block;
-    const float pooled = num::FinalizeAcc(cur);
-    if (kCsa) {
-      cur = nxt;
-      nxt = num::EmptyAcc();
-    } else {
-      cur = num::EmptyAcc();
-    }
-    BlockEpilogue(pooled, kHeadDim, mv.norm, mv.inv_freq, w * m, sh.x, &sh.ss[0]);
-    StoreEntry(a.pool, e, sh.x);
-    if (kCsa) {
-      float ipooled = 0.f;
-      if (ich) {
-        ipooled = num::FinalizeAcc(icur);
-        icur = inxt;
-        inxt = num::EmptyAcc();
-      }
-      BlockEpilogue(ipooled, kIndexDim, a.index.norm, a.index.inv_freq, w * m, sh.ix, &sh.ss[1]);
-      StoreIndexKey(a, e, sh.ix);  // ends with a barrier
-    } else {
-      __syncthreads();  // StoreEntry read sh.x
-    }
-  }
-  if (!touched) return;
-  cur_row.Store(c, cur);
-  if (kCsa) nxt_row.Store(c, nxt);
-  if (ich) {
-    icur_row.Store(c, icur);
-    inxt_row.Store(c, inxt);
-  }
-}
+using flush_kernel::kThreads;
 
 template <bool kCsa>
 __global__ void __launch_bounds__(kThreads) FlushKernel(FlushArgs a) {
-  __shared__ Shared sh;
-  int64_t l;
-  if (!cuda::LayerOk(a.layer, a.L, a.errors, &l)) return;
-  for (int64_t t0 = blockIdx.x; t0 < a.T; t0 += gridDim.x) {
-    const int64_t s = __ldg(a.slot + t0);
-    if (s == -1) continue;
-    if (s < 0 || s >= a.R) {
-      if (threadIdx.x == 0) atomicAdd(&a.errors[kBadSlot], 1);
-      continue;
-    }
-    // Is t0 the first row of request s? (block-uniform)
-    if (t0 > 0 && __ldg(a.slot + t0 - 1) == s) continue;
-    int seen = 0;
-    for (int64_t i = threadIdx.x; i < t0; i += blockDim.x) seen |= __ldg(a.slot + i) == s;
-    if (__syncthreads_or(seen)) continue;
-    WalkRequest<kCsa>(a, l, s, t0, sh);
-  }
+  __shared__ flush_kernel::FlushShared sh;
+  flush_kernel::FlushBlock<kCsa>(a, blockIdx.x, gridDim.x, sh);
 }
 
-unsigned FlushGrid(int64_t T) { return cuda::GridFor(T, 1, 2); }
+template <bool kCsa>
+ffi::Error LaunchFlush(cudaStream_t stream, const FlushArgs& a, const char* what) {
+  return cuda::LaunchResult(
+      cuda::LaunchOverlapped(FlushKernel<kCsa>, dim3(flush_kernel::FlushGrid(a.T)),
+                             dim3(kThreads), 0, 1u, stream, a),
+      what);
+}
 
 ffi::Error FlushCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
                         ffi::AnyBuffer layer, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
@@ -313,8 +43,7 @@ ffi::Error FlushCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_cont
       kv_format, max_context, layer, token_slot, token_pos, kv, score, ape, norm, inv_freq,
       index_kv, index_score, index_ape, index_norm, index_inv_freq, block_table, rest, *comp,
       *icomp, *packed, *iscale, *errors, entry_rets, &a));
-  FlushKernel<true><<<FlushGrid(a.T), kThreads, 0, stream>>>(a);
-  return cuda::LaunchStatus("flush_csa");
+  return LaunchFlush<true>(stream, a, "flush_csa");
 }
 
 ffi::Error FlushHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
@@ -327,8 +56,7 @@ ffi::Error FlushHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_cont
   DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, layer, token_slot, token_pos, kv,
                                         score, ape, norm, inv_freq, block_table, rest, *comp,
                                         *errors, entry_rets, &a));
-  FlushKernel<false><<<FlushGrid(a.T), kThreads, 0, stream>>>(a);
-  return cuda::LaunchStatus("flush_hca");
+  return LaunchFlush<false>(stream, a, "flush_hca");
 }
 
 }  // namespace

@@ -377,3 +377,29 @@ inline ffi::Error LaunchStatus(const char* what) {
 
 }  // namespace cuda
 }  // namespace dsv4
+
+namespace dsv4 {
+namespace cuda {
+
+// LayerOk for a kernel whose blocks take several roles: `counts` names the
+// block (its thread 0) that counts a bad layer for this role.
+__device__ __forceinline__ bool LayerOkCountedBy(bool counts, const int32_t* layer, int64_t L,
+                                                 int32_t* errors, int64_t* l_out) {
+  const int64_t l = __ldg(layer);
+  if (l < 0 || l >= L) {
+    if (counts && threadIdx.x == 0) atomicAdd(&errors[kBadLayer], 1);
+    return false;
+  }
+  *l_out = l;
+  return true;
+}
+
+// The status of a launch: its own error, else any error it left behind.
+inline ffi::Error LaunchResult(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) err = cudaGetLastError();
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + " launch: " + cudaGetErrorString(err));
+}
+
+}  // namespace cuda
+}  // namespace dsv4

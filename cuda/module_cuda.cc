@@ -13,6 +13,10 @@ NB_MODULE(_dsv4_cuda, m) {
     targets["dsv4_append"] = nb::capsule(reinterpret_cast<void*>(dsv4::AppendCuda));
     targets["dsv4_flush_csa"] = nb::capsule(reinterpret_cast<void*>(dsv4::FlushCsaCuda));
     targets["dsv4_flush_hca"] = nb::capsule(reinterpret_cast<void*>(dsv4::FlushHcaCuda));
+    targets["dsv4_write_layer_csa"] =
+        nb::capsule(reinterpret_cast<void*>(dsv4::WriteLayerCsaCuda));
+    targets["dsv4_write_layer_hca"] =
+        nb::capsule(reinterpret_cast<void*>(dsv4::WriteLayerHcaCuda));
     targets["dsv4_gather_window"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherWindowCuda));
     targets["dsv4_gather_topk"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherTopkCuda));
     targets["dsv4_gather_all"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherAllCuda));

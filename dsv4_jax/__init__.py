@@ -100,6 +100,7 @@ from .ops.apply_step import apply_step
 from .ops.flush import flush
 from .ops.gather import gather_all, gather_topk, gather_window
 from .ops.indexer import indexer_topk
+from .ops.write_layer import write_layer
 from .params import CompressorParams, yarn_inv_freq
 from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
 
@@ -109,6 +110,6 @@ __all__ = [
     "ErrorKind", "check_errors", "reset_errors", "check_donated", "NotDonatedWarning",
     "memory_report", "CompressorParams", "yarn_inv_freq",
     "default_impl", "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
-    "indexer_topk",
+    "indexer_topk", "write_layer",
 ]
 __version__ = "0.1.0"

@@ -44,12 +44,14 @@ auto BindAppend(Binding binding) {
       .RemainingRets();                // entry leaves
 }
 
+// `num_entry_args`: how many entry leaves came as inputs; `leaves`: the
+// entry results (aliased to them), which the handler writes.
 inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
                                  ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                                  ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
-                                 ffi::AnyBuffer errors_in, const ffi::RemainingArgs& entry_args,
+                                 ffi::AnyBuffer errors_in, size_t num_entry_args,
                                  ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors,
-                                 const ffi::RemainingRets& entry_rets, AppendArgs* out) {
+                                 const std::vector<ffi::AnyBuffer>& leaves, AppendArgs* out) {
   AppendArgs a;
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   DSV4_RETURN_IF_ERROR(CheckMaxContext(max_context));
@@ -64,12 +66,10 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
   DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos (result)", swa_pos, ffi::DataType::S32, {a.L, a.R, kWindow}));
   DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors_in, ffi::DataType::S32, {kNumErrorKinds}));
   DSV4_RETURN_IF_ERROR(CheckBuffer("errors (result)", errors, ffi::DataType::S32, {kNumErrorKinds}));
-  if (entry_args.size() != entry_rets.size())
-    return ffi::Error::InvalidArgument("swa.kv: " + std::to_string(entry_args.size()) +
-                                       " entry inputs but " + std::to_string(entry_rets.size()) +
+  if (num_entry_args != leaves.size())
+    return ffi::Error::InvalidArgument("swa.kv: " + std::to_string(num_entry_args) +
+                                       " entry inputs but " + std::to_string(leaves.size()) +
                                        " entry results");
-  std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
   std::vector<int64_t> lead = {a.L, a.R, kWindow};
   DSV4_RETURN_IF_ERROR(BindEntryLeaves("swa.kv", kv_format, leaves, &lead, &a.pool));
   a.max_context = max_context;
@@ -81,6 +81,19 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
   a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
+}
+
+// The same, for append's own handlers (entry leaves as remaining operands).
+inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+                                 ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                                 ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
+                                 ffi::AnyBuffer errors_in, const ffi::RemainingArgs& entry_args,
+                                 ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors,
+                                 const ffi::RemainingRets& entry_rets, AppendArgs* out) {
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
+  return ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv, swa_pos_in,
+                        errors_in, entry_args.size(), swa_pos, errors, leaves, out);
 }
 
 }  // namespace dsv4

@@ -3,23 +3,13 @@
 
 #include "append.h"
 #include "handlers_cpu.h"
+#include "host_writes.h"
 
 namespace dsv4 {
-namespace {
 
-ffi::Error AppendImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
-                      ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
-                      ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
-                      ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
-                      ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
-  AppendArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
-                                      swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
-                                      entry_rets, &a));
-  int64_t l;
-  if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
-  // Pass 1: the winning row of each (slot, ring slot): largest position, ties
-  // to the later row. Pass 2: write the winners.
+// Pass 1: the winning row of each (slot, ring slot): largest position, ties
+// to the later row. Pass 2: write the winners.
+void AppendOnHost(const AppendArgs& a, int64_t l) {
   std::vector<int64_t> winner(static_cast<size_t>(a.R) * kWindow, -1);
   for (int64_t t = 0; t < a.T; ++t) {
     int64_t s = a.slot[t], p = a.pos[t];
@@ -49,6 +39,21 @@ ffi::Error AppendImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer lay
       EncodeEntry(a.pool, e, row);
       a.swa_pos[e] = a.pos[t];
     }
+}
+
+namespace {
+
+ffi::Error AppendImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+                      ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
+                      ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
+                      ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
+                      ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
+  AppendArgs a;
+  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
+                                      swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
+                                      entry_rets, &a));
+  int64_t l;
+  if (HostLayerOk(a.layer, a.L, a.errors, &l)) AppendOnHost(a, l);
   return ffi::Error::Success();
 }
 

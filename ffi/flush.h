@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -70,25 +71,37 @@ struct FlushArgs {
   EntryPool pool;                   // [L, N, per_block]
 };
 
+// The compressor's operands, in flush's order (write_layer's too): kv,
+// score, ape, norm, inv_freq, the indexer's five (CSA), block_table.
+template <bool kCsa, typename Binding>
+auto BindCompressorArgs(Binding binding) {
+  auto main = std::move(binding)
+                  .template Arg<ffi::AnyBuffer>()   // kv
+                  .template Arg<ffi::AnyBuffer>()   // score
+                  .template Arg<ffi::AnyBuffer>()   // ape
+                  .template Arg<ffi::AnyBuffer>()   // norm
+                  .template Arg<ffi::AnyBuffer>();  // inv_freq
+  if constexpr (kCsa) {
+    return std::move(main)
+        .template Arg<ffi::AnyBuffer>()   // index_kv
+        .template Arg<ffi::AnyBuffer>()   // index_score
+        .template Arg<ffi::AnyBuffer>()   // index_ape
+        .template Arg<ffi::AnyBuffer>()   // index_norm
+        .template Arg<ffi::AnyBuffer>()   // index_inv_freq
+        .template Arg<ffi::AnyBuffer>();  // block_table
+  } else {
+    return std::move(main).template Arg<ffi::AnyBuffer>();  // block_table
+  }
+}
+
 template <typename Binding>
 auto BindFlushCsa(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Attr<int64_t>("max_context")
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
-      .template Arg<ffi::AnyBuffer>()  // kv
-      .template Arg<ffi::AnyBuffer>()  // score
-      .template Arg<ffi::AnyBuffer>()  // ape
-      .template Arg<ffi::AnyBuffer>()  // norm
-      .template Arg<ffi::AnyBuffer>()  // inv_freq
-      .template Arg<ffi::AnyBuffer>()  // index_kv
-      .template Arg<ffi::AnyBuffer>()  // index_score
-      .template Arg<ffi::AnyBuffer>()  // index_ape
-      .template Arg<ffi::AnyBuffer>()  // index_norm
-      .template Arg<ffi::AnyBuffer>()  // index_inv_freq
-      .template Arg<ffi::AnyBuffer>()  // block_table
+  return BindCompressorArgs<true>(std::move(binding)
+                                      .template Attr<int64_t>("kv_format")
+                                      .template Attr<int64_t>("max_context")
+                                      .template Arg<ffi::AnyBuffer>()   // layer
+                                      .template Arg<ffi::AnyBuffer>()   // token_slot
+                                      .template Arg<ffi::AnyBuffer>())  // token_pos
       .RemainingArgs()                 // comp, icomp, index.packed, index.scale, errors, entries
       .template Ret<ffi::AnyBuffer>()  // comp
       .template Ret<ffi::AnyBuffer>()  // icomp
@@ -100,18 +113,12 @@ auto BindFlushCsa(Binding binding) {
 
 template <typename Binding>
 auto BindFlushHca(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Attr<int64_t>("max_context")
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
-      .template Arg<ffi::AnyBuffer>()  // kv
-      .template Arg<ffi::AnyBuffer>()  // score
-      .template Arg<ffi::AnyBuffer>()  // ape
-      .template Arg<ffi::AnyBuffer>()  // norm
-      .template Arg<ffi::AnyBuffer>()  // inv_freq
-      .template Arg<ffi::AnyBuffer>()  // block_table
+  return BindCompressorArgs<false>(std::move(binding)
+                                       .template Attr<int64_t>("kv_format")
+                                       .template Attr<int64_t>("max_context")
+                                       .template Arg<ffi::AnyBuffer>()   // layer
+                                       .template Arg<ffi::AnyBuffer>()   // token_slot
+                                       .template Arg<ffi::AnyBuffer>())  // token_pos
       .RemainingArgs()                 // comp, errors, entries
       .template Ret<ffi::AnyBuffer>()  // comp
       .template Ret<ffi::AnyBuffer>()  // errors
@@ -119,7 +126,8 @@ auto BindFlushHca(Binding binding) {
 }
 
 // Checks one compressor's inputs ([T, coff*d] projections, ape, norm,
-// inv_freq) under the names `prefix`kv, ... and fills `v`.
+// inv_freq) under the names `prefix`kv, `prefix`score, `pprefix`ape, ... and
+// fills `v`.
 inline ffi::Error BindCompressorInputs(const std::string& prefix, const std::string& pprefix,
                                        int64_t T, int d, int coff, int m, ffi::AnyBuffer kv,
                                        ffi::AnyBuffer score, ffi::AnyBuffer ape,
@@ -178,19 +186,20 @@ inline ffi::Error ValidateFlushCsa(
     ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
     ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
     ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
-    ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
+    ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table, size_t num_aliased_args,
     ffi::AnyBuffer comp, ffi::AnyBuffer icomp, ffi::AnyBuffer packed, ffi::AnyBuffer iscale,
-    ffi::AnyBuffer errors, const ffi::RemainingRets& entry_rets, FlushArgs* out) {
+    ffi::AnyBuffer errors, const std::vector<ffi::AnyBuffer>& leaves, FlushArgs* out,
+    const std::string& kv_prefix = "") {
   FlushArgs a;
   a.csa = true;
   DSV4_RETURN_IF_ERROR(
       BindFlushCommon(kv_format, max_context, layer, token_slot, token_pos, block_table, &a));
-  DSV4_RETURN_IF_ERROR(BindCompressorInputs("", "params.", a.T, kHeadDim, 2, kCsaRatio, kv, score,
+  DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 2, kCsaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs("index_", "params.index.", a.T, kIndexDim, 2,
                                             kCsaRatio, index_kv, index_score, index_ape,
                                             index_norm, index_inv_freq, &a.index));
-  DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_csa", rest.size(), 5 + entry_rets.size()));
+  DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_csa", num_aliased_args, 5 + leaves.size()));
   const auto F32 = ffi::DataType::F32;
   DSV4_RETURN_IF_ERROR(CheckBuffer("csa.comp", comp, F32, {-1, a.R, 2, 3, kHeadDim}));
   a.L = comp.dimensions()[0];
@@ -202,8 +211,6 @@ inline ffi::Error ValidateFlushCsa(
   DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.scale", iscale, ffi::DataType::F8E8M0FNU,
                                    {a.L, a.N, a.per_block, kIndexScales}));
   DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors, ffi::DataType::S32, {kNumErrorKinds}));
-  std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
   std::vector<int64_t> lead = {a.L, a.N, a.per_block};
   DSV4_RETURN_IF_ERROR(BindEntryLeaves("csa.kv", kv_format, leaves, &lead, &a.pool));
   a.main.comp = static_cast<float*>(comp.untyped_data());
@@ -219,22 +226,21 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context, ffi::
                                    ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                                    ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
                                    ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
-                                   ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
+                                   ffi::AnyBuffer block_table, size_t num_aliased_args,
                                    ffi::AnyBuffer comp, ffi::AnyBuffer errors,
-                                   const ffi::RemainingRets& entry_rets, FlushArgs* out) {
+                                   const std::vector<ffi::AnyBuffer>& leaves, FlushArgs* out,
+                                   const std::string& kv_prefix = "") {
   FlushArgs a;
   a.csa = false;
   DSV4_RETURN_IF_ERROR(
       BindFlushCommon(kv_format, max_context, layer, token_slot, token_pos, block_table, &a));
-  DSV4_RETURN_IF_ERROR(BindCompressorInputs("", "params.", a.T, kHeadDim, 1, kHcaRatio, kv, score,
+  DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 1, kHcaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
-  DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_hca", rest.size(), 2 + entry_rets.size()));
+  DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_hca", num_aliased_args, 2 + leaves.size()));
   DSV4_RETURN_IF_ERROR(CheckBuffer("hca.comp", comp, ffi::DataType::F32, {-1, a.R, 1, 3, kHeadDim}));
   a.L = comp.dimensions()[0];
   DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors, ffi::DataType::S32, {kNumErrorKinds}));
   a.per_block = kBlockTokens / kHcaRatio;
-  std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
   std::vector<int64_t> lead = {a.L, -1, a.per_block};
   DSV4_RETURN_IF_ERROR(BindEntryLeaves("hca.kv", kv_format, leaves, &lead, &a.pool));
   a.N = lead[1];
@@ -242,6 +248,36 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context, ffi::
   a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
+}
+
+// The same two, for flush's own handlers (aliased operands as remaining ones).
+inline ffi::Error ValidateFlushCsa(
+    int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
+    ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
+    ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
+    ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
+    ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
+    ffi::AnyBuffer comp, ffi::AnyBuffer icomp, ffi::AnyBuffer packed, ffi::AnyBuffer iscale,
+    ffi::AnyBuffer errors, const ffi::RemainingRets& entry_rets, FlushArgs* out) {
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
+  return ValidateFlushCsa(kv_format, max_context, layer, token_slot, token_pos, kv, score, ape,
+                          norm, inv_freq, index_kv, index_score, index_ape, index_norm,
+                          index_inv_freq, block_table, rest.size(), comp, icomp, packed, iscale,
+                          errors, leaves, out);
+}
+
+inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+                                   ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                                   ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
+                                   ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
+                                   ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
+                                   ffi::AnyBuffer comp, ffi::AnyBuffer errors,
+                                   const ffi::RemainingRets& entry_rets, FlushArgs* out) {
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
+  return ValidateFlushHca(kv_format, max_context, layer, token_slot, token_pos, kv, score, ape,
+                          norm, inv_freq, block_table, rest.size(), comp, errors, leaves, out);
 }
 
 }  // namespace dsv4

@@ -3,6 +3,7 @@
 // of each request's positions (they come increasing and contiguous).
 #include "flush.h"
 #include "handlers_cpu.h"
+#include "host_writes.h"
 
 namespace dsv4 {
 namespace {
@@ -85,7 +86,9 @@ int64_t TokenBlock(const FlushArgs& a, int64_t t) {
   return block;
 }
 
-void FlushCsa(const FlushArgs& a, int64_t l) {
+}  // namespace
+
+void FlushCsaOnHost(const FlushArgs& a, int64_t l) {
   float pooled[kHeadDim], ikey[kIndexDim];
   for (int64_t t = 0; t < a.T; ++t) {
     int64_t block = TokenBlock(a, t);
@@ -104,7 +107,7 @@ void FlushCsa(const FlushArgs& a, int64_t l) {
   }
 }
 
-void FlushHca(const FlushArgs& a, int64_t l) {
+void FlushHcaOnHost(const FlushArgs& a, int64_t l) {
   float pooled[kHeadDim];
   for (int64_t t = 0; t < a.T; ++t) {
     int64_t block = TokenBlock(a, t);
@@ -120,6 +123,8 @@ void FlushHca(const FlushArgs& a, int64_t l) {
     EncodeEntry(a.pool, (l * a.N + block) * a.per_block, pooled);
   }
 }
+
+namespace {
 
 ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
                         ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
@@ -138,7 +143,7 @@ ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer l
       *icomp, *packed, *iscale, *errors, entry_rets, &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
-  FlushCsa(a, l);
+  FlushCsaOnHost(a, l);
   return ffi::Error::Success();
 }
 
@@ -154,7 +159,7 @@ ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer l
                                         *errors, entry_rets, &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
-  FlushHca(a, l);
+  FlushHcaOnHost(a, l);
   return ffi::Error::Success();
 }
 

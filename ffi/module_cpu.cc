@@ -19,6 +19,8 @@ NB_MODULE(_dsv4_cpu, m) {
     targets["dsv4_append"] = Capsule(dsv4::AppendCpu);
     targets["dsv4_flush_csa"] = Capsule(dsv4::FlushCsaCpu);
     targets["dsv4_flush_hca"] = Capsule(dsv4::FlushHcaCpu);
+    targets["dsv4_write_layer_csa"] = Capsule(dsv4::WriteLayerCsaCpu);
+    targets["dsv4_write_layer_hca"] = Capsule(dsv4::WriteLayerHcaCpu);
     targets["dsv4_gather_window"] = Capsule(dsv4::GatherWindowCpu);
     targets["dsv4_gather_topk"] = Capsule(dsv4::GatherTopkCpu);
     targets["dsv4_gather_all"] = Capsule(dsv4::GatherAllCpu);

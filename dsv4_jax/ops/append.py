@@ -31,6 +31,27 @@ from ..sharding import run_sharded
 TARGET = "dsv4_append"
 
 
+def check_append_args(state: CacheState, meta: StepMeta, kv) -> None:
+    """append's trace-time checks (also write_layer's)."""
+    check_state(state)
+    cfg = state.config
+    meta.check(cfg)
+    check_array("kv", kv, (meta.num_tokens * cfg.num_shards, C.HEAD_DIM), jnp.bfloat16)
+
+
+def append_ffi_operands(state: CacheState):
+    """append's aliased FFI operands other than the error counters (swa.pos,
+    then the window's entry leaves), and a function that puts their results
+    back into `state`."""
+    tree = jax.tree_util.tree_structure(state.swa.kv)
+
+    def rebuild(st, out):
+        kv_entries = jax.tree_util.tree_unflatten(tree, out[1:])
+        return dataclasses.replace(st, swa=dataclasses.replace(st.swa, kv=kv_entries,
+                                                               pos=out[0]))
+    return [state.swa.pos, *jax.tree_util.tree_leaves(state.swa.kv)], rebuild
+
+
 def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
            impl: str = "auto") -> CacheState:
     """Write `kv: bf16[T, 512]` (normed and roped by the model) of the step's
@@ -48,11 +69,9 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     to fp8 for ds_fp8 and fp8_token). Dropped and counted: BAD_SLOT,
     BAD_POSITION (pos < 0 or >= max_context), NONFINITE (NaN or Inf in the
     row), BAD_LAYER."""
-    check_state(state)
     warn_if_eager(state, "append")
+    check_append_args(state, meta, kv)
     cfg = state.config
-    meta.check(cfg)
-    check_array("kv", kv, (meta.num_tokens * cfg.num_shards, C.HEAD_DIM), jnp.bfloat16)
     if cfg.sharded:
         return run_sharded(lambda st, m, x, *lay: append(st, pick_layer(layer, lay), m, x, impl=impl),
                            state, [meta, kv], traced_layer(layer), "state")
@@ -60,11 +79,8 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     impl = resolve_impl(impl, TARGET, [state.swa.pos])
     if impl == "reference":
         return reference.append(state, layer_idx, meta.token_slot, meta.token_pos, kv)
-    entries = jax.tree_util.tree_leaves(state.swa.kv)
+    window, rebuild = append_ffi_operands(state)
     pos, errors, *entries = ffi_in_place(
-        TARGET, [layer_idx, meta.token_slot, meta.token_pos, kv],
-        [state.swa.pos, state.errors, *entries],
+        TARGET, [layer_idx, meta.token_slot, meta.token_pos, kv], [window[0], state.errors, *window[1:]],
         kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
-    kv_entries = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.swa.kv), entries)
-    return dataclasses.replace(state, swa=dataclasses.replace(state.swa, kv=kv_entries, pos=pos),
-                               errors=errors)
+    return dataclasses.replace(rebuild(state, [pos, *entries]), errors=errors)

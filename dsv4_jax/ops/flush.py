@@ -65,6 +65,71 @@ def _kind_of(cfg, layer, kv) -> str:
     return {2 * C.HEAD_DIM: C.CSA, C.HEAD_DIM: C.HCA}.get(kv.shape[-1], "?")
 
 
+def check_flush_args(state: CacheState, layer, meta: StepMeta, kv, score, params,
+                     index_kv, index_score, prefix: str = ""):
+    """flush's trace-time checks (also write_layer's, which names the
+    projections with `prefix` "comp_"). Returns the layer's kind and the
+    projections as f32: (kind, kv, score, index_kv, index_score)."""
+    check_state(state)
+    cfg = state.config
+    meta.check(cfg)
+    kind = _kind_of(cfg, layer, kv)
+    if kind not in (C.CSA, C.HCA):
+        if isinstance(layer, int):
+            cfg.kind_index(layer)   # raises for an out-of-range layer
+            raise ValueError(f"layer: expected a CSA or HCA layer, got layer {layer} "
+                             f"which is {cfg.layer_kinds[layer].upper()}")
+        raise ValueError(f"{prefix}kv: expected last dim {2 * C.HEAD_DIM} (CSA) or "
+                         f"{C.HEAD_DIM} (HCA) for a traced layer, got {kv.shape[-1]}")
+    coff = 2 if kind == C.CSA else 1
+    m = C.CSA_RATIO if kind == C.CSA else C.HCA_RATIO
+    T = meta.num_tokens * cfg.num_shards
+    check_array(f"{prefix}kv", kv, (T, coff * C.HEAD_DIM), _FLOATS)
+    check_array(f"{prefix}score", score, (T, coff * C.HEAD_DIM), _FLOATS)
+    _check_params("params", params, m, coff * C.HEAD_DIM, C.HEAD_DIM)
+    kv, score = kv.astype(jnp.float32), score.astype(jnp.float32)
+    if kind == C.CSA:
+        if index_kv is None or index_score is None or params.index is None:
+            raise ValueError("index_kv: a CSA layer needs index_kv, index_score and "
+                             "params.index (the indexer compressor)")
+        check_array("index_kv", index_kv, (T, 2 * C.INDEX_DIM), _FLOATS)
+        check_array("index_score", index_score, (T, 2 * C.INDEX_DIM), _FLOATS)
+        _check_params("params.index", params.index, C.CSA_RATIO, 2 * C.INDEX_DIM, C.INDEX_DIM)
+        index_kv, index_score = index_kv.astype(jnp.float32), index_score.astype(jnp.float32)
+    elif index_kv is not None or index_score is not None:
+        raise ValueError("index_kv: HCA layers have no indexer; pass None")
+    return kind, kv, score, index_kv, index_score
+
+
+def flush_ffi_operands(state: CacheState, kind: str, kv, score, params, index_kv, index_score):
+    """flush's FFI operands after (layer, token_slot, token_pos): the read-only
+    inputs, the aliased buffers, and a function that puts the aliased results
+    back into `state`."""
+    inputs = [kv, score, params.ape, params.norm, params.inv_freq]
+    if kind == C.CSA:
+        pool = state.csa
+        inputs += [index_kv, index_score, params.index.ape, params.index.norm,
+                   params.index.inv_freq]
+        fixed = [pool.comp, pool.icomp, pool.index.packed, pool.index.scale]
+    else:
+        pool = state.hca
+        fixed = [pool.comp]
+    entries = jax.tree_util.tree_leaves(pool.kv)
+    tree = jax.tree_util.tree_structure(pool.kv)
+
+    def rebuild(out):
+        n = len(fixed)
+        kv_entries = jax.tree_util.tree_unflatten(tree, out[n + 1:])
+        if kind == C.CSA:
+            comp, icomp, packed, iscale = out[:n]
+            index = dataclasses.replace(pool.index, packed=packed, scale=iscale)
+            new = dataclasses.replace(pool, kv=kv_entries, index=index, comp=comp, icomp=icomp)
+            return dataclasses.replace(state, csa=new, errors=out[n])
+        new = dataclasses.replace(pool, kv=kv_entries, comp=out[0])
+        return dataclasses.replace(state, hca=new, errors=out[n])
+    return inputs + [state.block_table], fixed + [state.errors, *entries], rebuild
+
+
 def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Array,
           params: CompressorParams, *, index_kv: jax.Array | None = None,
           index_score: jax.Array | None = None, impl: str = "auto") -> CacheState:
@@ -90,35 +155,10 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
     produces). Dropped and counted (the token is not folded): BAD_SLOT,
     BAD_POSITION, MISSING_BLOCK, NONFINITE (NaN or Inf in the token's rows),
     BAD_LAYER."""
-    check_state(state)
     warn_if_eager(state, "flush")
+    kind, kv, score, index_kv, index_score = check_flush_args(
+        state, layer, meta, kv, score, params, index_kv, index_score)
     cfg = state.config
-    meta.check(cfg)
-    kind = _kind_of(cfg, layer, kv)
-    if kind not in (C.CSA, C.HCA):
-        if isinstance(layer, int):
-            cfg.kind_index(layer)   # raises for an out-of-range layer
-            raise ValueError(f"layer: expected a CSA or HCA layer, got layer {layer} "
-                             f"which is {cfg.layer_kinds[layer].upper()}")
-        raise ValueError(f"kv: expected last dim {2 * C.HEAD_DIM} (CSA) or {C.HEAD_DIM} (HCA) "
-                         f"for a traced layer, got {kv.shape[-1]}")
-    coff = 2 if kind == C.CSA else 1
-    m = C.CSA_RATIO if kind == C.CSA else C.HCA_RATIO
-    T = meta.num_tokens * cfg.num_shards
-    check_array("kv", kv, (T, coff * C.HEAD_DIM), _FLOATS)
-    check_array("score", score, (T, coff * C.HEAD_DIM), _FLOATS)
-    _check_params("params", params, m, coff * C.HEAD_DIM, C.HEAD_DIM)
-    kv, score = kv.astype(jnp.float32), score.astype(jnp.float32)
-    if kind == C.CSA:
-        if index_kv is None or index_score is None or params.index is None:
-            raise ValueError("index_kv: a CSA layer needs index_kv, index_score and "
-                             "params.index (the indexer compressor)")
-        check_array("index_kv", index_kv, (T, 2 * C.INDEX_DIM), _FLOATS)
-        check_array("index_score", index_score, (T, 2 * C.INDEX_DIM), _FLOATS)
-        _check_params("params.index", params.index, C.CSA_RATIO, 2 * C.INDEX_DIM, C.INDEX_DIM)
-        index_kv, index_score = index_kv.astype(jnp.float32), index_score.astype(jnp.float32)
-    elif index_kv is not None or index_score is not None:
-        raise ValueError("index_kv: HCA layers have no indexer; pass None")
     if cfg.sharded:   # rows of every per-token operand split by shard, params whole
         rows = [meta, kv, score] + ([index_kv, index_score] if kind == C.CSA else [])
         lay = traced_layer(layer)
@@ -137,25 +177,8 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
     if impl == "reference":
         return reference.flush(state, kind, layer_idx, meta.token_slot, meta.token_pos, kv, score,
                                params, index_kv, index_score)
-    attrs = dict(kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
-    common = [layer_idx, meta.token_slot, meta.token_pos, kv, score, params.ape, params.norm,
-              params.inv_freq]
-    if kind == C.CSA:
-        pool = state.csa
-        entries = jax.tree_util.tree_leaves(pool.kv)
-        ins = common + [index_kv, index_score, params.index.ape, params.index.norm,
-                        params.index.inv_freq, state.block_table]
-        comp, icomp, packed, iscale, errors, *entries = ffi_in_place(
-            target, ins, [pool.comp, pool.icomp, pool.index.packed, pool.index.scale,
-                          state.errors, *entries], **attrs)
-        kv_entries = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pool.kv), entries)
-        index = dataclasses.replace(pool.index, packed=packed, scale=iscale)
-        csa = dataclasses.replace(pool, kv=kv_entries, index=index, comp=comp, icomp=icomp)
-        return dataclasses.replace(state, csa=csa, errors=errors)
-    pool = state.hca
-    entries = jax.tree_util.tree_leaves(pool.kv)
-    comp, errors, *entries = ffi_in_place(
-        target, common + [state.block_table], [pool.comp, state.errors, *entries], **attrs)
-    kv_entries = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pool.kv), entries)
-    return dataclasses.replace(state, hca=dataclasses.replace(pool, kv=kv_entries, comp=comp),
-                               errors=errors)
+    inputs, aliased, rebuild = flush_ffi_operands(state, kind, kv, score, params, index_kv,
+                                                  index_score)
+    return rebuild(ffi_in_place(target, [layer_idx, meta.token_slot, meta.token_pos, *inputs],
+                                aliased, kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
+                                max_context=cfg.max_context))

@@ -1,0 +1,359 @@
+// The append kernel's block code (rules in dsv4_jax/ops/append.py), shared
+// by the append kernel (cuda/append.cu) and write_layer's (cuda/write_layer.cu).
+//
+// The rule: per (slot, ring slot) cell, of the call's valid tokens whose kv
+// row is finite, the largest position wins, ties to the later row. A warp
+// reads a token's 1 KB row once, with coalesced 16-byte loads, decides
+// finiteness with one vote and, if the token wins its cell, encodes the
+// entry from the same registers.
+//
+// Who wins is decided one of two ways, both exact; the grid picks one after
+// checking the call's shape (all its blocks agree):
+//
+// * Grouped runs (what CacheManager emits): every slot's rows form one
+//   contiguous run of consecutive positions (slots in any order, padding and
+//   bad slots between runs). Then the tokens of a cell are the run's rows
+//   t, t + 128, t + 256, ... of increasing position, so the cell's winner is
+//   its highest valid row if finite, else the next finite one below. Token
+//   t's warp knows from row t + 128 alone whether t is that highest valid
+//   row (same slot there means same run, position p + 128, valid iff below
+//   max_context); only that warp writes the cell, walking down 128 rows at a
+//   time past NaN/Inf rows (read again: the only second read). Every other
+//   warp only counts. One writer per cell, no shared state, grid sized to
+//   the tokens.
+//
+//   The check: the rows are split among the blocks of a thread-block
+//   cluster (up to 8). A row continuing its predecessor's slot must have the
+//   next position; a row starting a run sets its slot's bit in a bitmap
+//   spread over the cluster's shared memory, and finding the bit already set
+//   means a second run of that slot. Every cluster checks the whole call, so
+//   each decides alone, and all decide the same; the check reads 8 bytes a
+//   row per cluster, never the rows.
+//
+// * Any other call: block b of G owns the cells c = slot * 128 + ring with
+//   c mod G = b, and keeps the best key (position << 32 | row + 1) of each
+//   in shared memory, passes of table_cap cells where they do not fit. A
+//   token's warp checks finiteness first, so only finite tokens enter the
+//   64-bit atomicMax, whose result does not depend on arrival order; the
+//   winners' rows are then read again and encoded. Every block scans all
+//   the metadata here: the price of arbitrary order, paid only by such calls.
+//
+// Bad slots and positions are counted once, by the first cluster's check; a
+// NaN/Inf row once, by the warp that reads it for its own token (grouped) or
+// for its owner block (any order). Rows dropped by either rule never win.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "append.h"
+#include "kernels.cuh"
+
+namespace dsv4 {
+namespace append_kernel {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTokensPerBlock = 32;    // two a warp, where T leaves enough blocks
+constexpr int kMaxCluster = 8;         // the portable cluster size
+constexpr int64_t kTableCap = 4096;    // keys of one any-order pass: 32 KiB
+constexpr int kBatch = 4;              // metadata rows a thread loads before using them
+
+// The append role's launch, chosen on the host from T, R and the blocks a
+// multiprocessor holds (two for the append kernel, one beside flush).
+struct AppendPlan {
+  unsigned blocks = 1;       // G, a multiple of `cluster`
+  unsigned cluster = 1;      // blocks of one cluster
+  int64_t bitmap_words = 0;  // run-start bitmap words a block keeps (0: too many slots)
+  int64_t table_cap = 1;     // cells of one any-order pass
+  size_t smem = 0;           // dynamic shared memory a block needs
+};
+
+inline AppendPlan PlanAppend(int64_t T, int64_t R, int blocks_per_sm) {
+  AppendPlan p;
+  int64_t want = (T + kTokensPerBlock - 1) / kTokensPerBlock;
+  const int64_t most = int64_t{blocks_per_sm} * cuda::SmCount();
+  want = want < 1 ? 1 : (want > most ? most : want);
+  p.cluster = want >= kMaxCluster ? kMaxCluster : want >= 4 ? 4 : want >= 2 ? 2 : 1;
+  p.blocks = static_cast<unsigned>((want + p.cluster - 1) / p.cluster * p.cluster);
+  const int64_t words = (R + 31) / 32;
+  const int64_t per_block = (words + p.cluster - 1) / p.cluster;
+  // the bitmap shares the table's memory (the check ends before the table
+  // is used); past that many slots only the any-order path runs
+  p.bitmap_words = per_block * 4 <= kTableCap * 8 ? per_block : 0;
+  const int64_t owned = (R * kWindow + p.blocks - 1) / p.blocks;
+  p.table_cap = owned < 1 ? 1 : (owned < kTableCap ? owned : kTableCap);
+  const int64_t bytes = p.table_cap * 8 > p.bitmap_words * 4 ? p.table_cap * 8 : p.bitmap_words * 4;
+  p.smem = static_cast<size_t>(bytes);
+  return p;
+}
+
+// Static shared memory of an append block.
+struct AppendShared {
+  int out_of_shape;      // set by any block of the cluster that finds the call not grouped
+  int first_pass, last_pass;
+};
+
+// The blocks of this block's cluster; a launch without clusters is a cluster
+// of one block.
+struct Cluster {
+  unsigned size, rank;
+  __device__ void Sync() const {
+    if (size > 1) cg::this_cluster().sync();
+    else __syncthreads();
+  }
+  template <typename T>
+  __device__ T* Map(T* p, unsigned r) const {
+    return size > 1 ? cg::this_cluster().map_shared_rank(p, static_cast<int>(r)) : p;
+  }
+};
+
+// Whether 8 bf16 hold no NaN or Inf (exponent bits not all ones).
+__device__ __forceinline__ bool Bf16x8Finite(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    ok = ok && (w[i] & 0x7f80u) != 0x7f80u && (w[i] & 0x7f800000u) != 0x7f800000u;
+  return ok;
+}
+
+// One token row, held by a warp: lane L has chunks L and L + 32.
+struct Row {
+  uint4 lo, hi;
+};
+
+__device__ __forceinline__ Row LoadRow(const AppendArgs& a, int64_t t) {
+  const uint4* row = reinterpret_cast<const uint4*>(a.kv) + t * cuda::kChunks;
+  const int lane = threadIdx.x & 31;
+  return Row{__ldg(row + lane), __ldg(row + lane + 32)};
+}
+
+__device__ __forceinline__ bool WarpFinite(const Row& r) {
+  return __all_sync(cuda::kFull, Bf16x8Finite(r.lo) && Bf16x8Finite(r.hi));
+}
+
+// Stores the row of the token at position p of slot s as its cell's entry.
+__device__ __forceinline__ void WriteEntry(const AppendArgs& a, int64_t l, int64_t s, int64_t p,
+                                           const Row& r) {
+  const int64_t e = (l * a.R + s) * kWindow + (p & (kWindow - 1));
+  float lo[8], hi[8];
+  cuda::UnpackBf16x8(r.lo, lo);
+  cuda::UnpackBf16x8(r.hi, hi);
+  cuda::WarpEncodeEntry(a.pool, e, lo, hi);
+  if ((threadIdx.x & 31) == 0) a.swa_pos[e] = static_cast<int32_t>(p);
+}
+
+// ---- the shape check -------------------------------------------------------------------
+// Whether every slot's rows form one run of consecutive positions; also
+// counts the bad slots and positions where `counts` (the first cluster).
+// Ends with a cluster barrier, after which no block reads another's memory.
+__device__ inline bool CallIsGrouped(const AppendArgs& a, const AppendPlan& plan,
+                                     const Cluster& c, bool counts, uint32_t* bitmap,
+                                     AppendShared& sh) {
+  const int tid = threadIdx.x;
+  const int64_t begin = a.T * c.rank / c.size, end = a.T * (c.rank + 1) / c.size;
+  const bool use_bitmap = plan.bitmap_words > 0;
+  int bad = !use_bitmap, bad_slot = 0, bad_pos = 0;
+  for (int64_t base = begin; base < end; base += int64_t{kThreads} * kBatch) {
+    int32_t s[kBatch], p[kBatch], prev_s[kBatch], prev_p[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int64_t t = base + int64_t{j} * kThreads + tid;
+      s[j] = -1, p[j] = 0, prev_s[j] = -1, prev_p[j] = 0;
+      if (t < end) {
+        s[j] = __ldg(a.slot + t);
+        p[j] = __ldg(a.pos + t);
+        if (t > 0) {
+          prev_s[j] = __ldg(a.slot + t - 1);
+          prev_p[j] = __ldg(a.pos + t - 1);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (s[j] < 0 || s[j] >= a.R) {  // padding (also past `end`) and bad slots end runs
+        bad_slot += s[j] != -1;
+        continue;
+      }
+      bad_pos += p[j] < 0 || p[j] >= a.max_context;
+      if (prev_s[j] == s[j]) {
+        bad |= int64_t{p[j]} != int64_t{prev_p[j]} + 1;
+      } else if (use_bitmap) {  // a run of slot s starts here
+        const uint32_t w = static_cast<uint32_t>(s[j]) >> 5, bit = 1u << (s[j] & 31);
+        bad |= (atomicOr(c.Map(bitmap + w / c.size, w % c.size), bit) & bit) != 0;
+      }
+    }
+  }
+  if (counts) {
+    cuda::WarpCount(a.errors, kBadSlot, bad_slot);
+    cuda::WarpCount(a.errors, kBadPosition, bad_pos);
+  }
+  if (__syncthreads_or(bad) && tid == 0)
+    for (unsigned r = 0; r < c.size; ++r) atomicOr(c.Map(&sh.out_of_shape, r), 1);
+  c.Sync();
+  return sh.out_of_shape == 0;
+}
+
+// ---- grouped runs ----------------------------------------------------------------------
+// A token of the grouped path: slot, position, the slot 128 rows later, row.
+struct Token {
+  int32_t s = -1, p = 0, s_next = -1;
+  Row row;
+};
+
+__device__ __forceinline__ Token LoadToken(const AppendArgs& a, int64_t t) {
+  Token k;
+  k.s = __ldg(a.slot + t);
+  k.p = __ldg(a.pos + t);
+  if (t + kWindow < a.T) k.s_next = __ldg(a.slot + t + kWindow);
+  k.row = LoadRow(a, t);
+  return k;
+}
+
+// Row t (slot s, position p) was the highest valid row of its cell but held
+// NaN/Inf: the first finite row 128, 256, ... rows below it in the run wins.
+__device__ inline void WriteBelow(const AppendArgs& a, int64_t l, int64_t t, int32_t s,
+                                  int32_t p) {
+  for (int64_t d = t - kWindow, q = int64_t{p} - kWindow; d >= 0 && q >= 0;
+       d -= kWindow, q -= kWindow) {
+    if (__ldg(a.slot + d) != s) return;  // before the run: its rows are d + 1 .. t
+    const Row r = LoadRow(a, d);
+    if (WarpFinite(r)) {
+      WriteEntry(a, l, s, q, r);
+      return;
+    }
+  }
+}
+
+// One warp per token, grid-stride, the next token loaded before this one is
+// used; `first` is this warp's first token, loaded before the check.
+__device__ inline void AppendGrouped(const AppendArgs& a, int64_t l, unsigned block,
+                                     unsigned blocks, Token first) {
+  const int64_t stride = int64_t{blocks} * kWarps;
+  int nonfinite = 0;
+  Token cur = first;
+  for (int64_t t = int64_t{block} * kWarps + (threadIdx.x >> 5); t < a.T; t += stride) {
+    Token next;
+    if (t + stride < a.T) next = LoadToken(a, t + stride);
+    const int32_t s = cur.s, p = cur.p;
+    if (s >= 0 && s < a.R && p >= 0 && p < a.max_context) {
+      const bool finite = WarpFinite(cur.row);
+      nonfinite += !finite;
+      // 128 rows on, the same slot is the same run, at position p + 128
+      const bool highest = !(cur.s_next == s && int64_t{p} + kWindow < a.max_context);
+      if (highest && finite) WriteEntry(a, l, s, p, cur.row);
+      else if (highest) WriteBelow(a, l, t, s, p);
+    }
+    cur = next;
+  }
+  if ((threadIdx.x & 31) == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
+}
+
+// ---- any order -------------------------------------------------------------------------
+// The cell of token t (slot * 128 + ring slot), or -1 for a dropped token.
+__device__ __forceinline__ int64_t CellOf(int32_t s, int32_t p, const AppendArgs& a) {
+  if (s < 0 || s >= a.R || p < 0 || p >= a.max_context) return -1;
+  return int64_t{s} * kWindow + (p & (kWindow - 1));
+}
+
+__device__ inline void AppendAnyOrder(const AppendArgs& a, const AppendPlan& plan, int64_t l,
+                                      unsigned block, unsigned long long* table,
+                                      AppendShared& sh) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t G = plan.blocks, cap = plan.table_cap;
+  // the passes that hold this block's cells (a single pass needs no scan)
+  const int64_t passes = ((a.R * kWindow + G - 1) / G + cap - 1) / cap;
+  if (tid == 0) {
+    sh.first_pass = passes > 1 ? INT_MAX : 0;
+    sh.last_pass = passes > 1 ? -1 : 0;
+  }
+  __syncthreads();
+  for (int64_t t = tid; passes > 1 && t < a.T; t += kThreads) {
+    const int64_t c = CellOf(__ldg(a.slot + t), __ldg(a.pos + t), a);
+    if (c >= 0 && c % G == block) {
+      const int q = static_cast<int>(c / G / cap);
+      atomicMin(&sh.first_pass, q);
+      atomicMax(&sh.last_pass, q);
+    }
+  }
+  __syncthreads();
+  const int first_pass = sh.first_pass, last_pass = sh.last_pass;
+  int nonfinite = 0;
+  for (int q = first_pass; q <= last_pass; ++q) {
+    for (int64_t i = tid; i < cap; i += kThreads) table[i] = 0ull;
+    __syncthreads();
+    // a warp takes 32 rows at a time (kBatch groups loaded together); the
+    // rows this block owns in this pass are checked by the whole warp
+    for (int64_t base = int64_t{warp} * 32; base < a.T; base += int64_t{kThreads} * kBatch) {
+      int64_t idx[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int64_t t = base + int64_t{j} * kThreads + lane;
+        const int64_t c = t < a.T ? CellOf(__ldg(a.slot + t), __ldg(a.pos + t), a) : -1;
+        idx[j] = c >= 0 && c % G == block ? c / G - int64_t{q} * cap : -1;
+        if (idx[j] >= cap) idx[j] = -1;
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        for (unsigned m = __ballot_sync(cuda::kFull, idx[j] >= 0); m != 0; m &= m - 1) {
+          const int src = __ffs(m) - 1;
+          const int64_t t = base + int64_t{j} * kThreads + src;
+          const int64_t i = __shfl_sync(cuda::kFull, idx[j], src);
+          if (!WarpFinite(LoadRow(a, t))) {
+            ++nonfinite;
+            continue;
+          }
+          if (lane == 0)
+            atomicMax(&table[i], (static_cast<unsigned long long>(__ldg(a.pos + t)) << 32) |
+                                     static_cast<unsigned long long>(t + 1));
+        }
+      }
+    }
+    __syncthreads();
+    // the winners: lanes read 32 keys, the warp writes each set one
+    for (int64_t i0 = int64_t{warp} * 32; i0 < cap; i0 += kThreads) {
+      const unsigned long long key = i0 + lane < cap ? table[i0 + lane] : 0ull;
+      for (unsigned m = __ballot_sync(cuda::kFull, key != 0ull); m != 0; m &= m - 1) {
+        const int src = __ffs(m) - 1;
+        const unsigned long long k = __shfl_sync(cuda::kFull, key, src);
+        const int64_t t = static_cast<int64_t>(k & 0xffffffffull) - 1;
+        const int64_t cell = (int64_t{q} * cap + i0 + src) * G + block;
+        WriteEntry(a, l, cell / kWindow, static_cast<int64_t>(k >> 32), LoadRow(a, t));
+      }
+    }
+    __syncthreads();
+  }
+  if (lane == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
+}
+
+// ---- the role ----------------------------------------------------------------------------
+// Block `block` of the plan's append blocks: `smem` is plan.smem bytes of
+// dynamic shared memory (the bitmap, then the any-order table).
+__device__ inline void AppendBlock(const AppendArgs& a, const AppendPlan& plan, unsigned block,
+                                   unsigned char* smem, AppendShared& sh) {
+  const Cluster c{plan.cluster, block % plan.cluster};
+  uint32_t* bitmap = reinterpret_cast<uint32_t*>(smem);
+  for (int64_t i = threadIdx.x; i < plan.bitmap_words; i += kThreads) bitmap[i] = 0u;
+  if (threadIdx.x == 0) sh.out_of_shape = 0;
+  c.Sync();                  // every bitmap clear before any block sets a bit
+  cuda::WaitForPrevious();   // everything below reads what earlier kernels wrote
+  // this warp's first token, loaded now: at small T it is all the work
+  const int64_t t0 = int64_t{block} * kWarps + (threadIdx.x >> 5);
+  Token first;
+  if (t0 < a.T) first = LoadToken(a, t0);
+  int64_t l;
+  if (!cuda::LayerOkCountedBy(block == 0, a.layer, a.L, a.errors, &l)) return;  // grid-uniform
+  if (CallIsGrouped(a, plan, c, block < plan.cluster, bitmap, sh))
+    AppendGrouped(a, l, block, plan.blocks, first);
+  else
+    AppendAnyOrder(a, plan, l, block, reinterpret_cast<unsigned long long*>(smem), sh);
+}
+
+}  // namespace append_kernel
+}  // namespace dsv4

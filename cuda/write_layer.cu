@@ -1,0 +1,93 @@
+// CUDA handlers of write_layer (operands in ffi/write_layer.h, rules in
+// dsv4_jax/ops/write_layer.py): append and flush of one layer in ONE kernel
+// launch. The grid is the append role's blocks (in clusters, as the append
+// kernel launches them) followed by the flush role's; each block takes its
+// role from blockIdx.x and runs that op's block code (cuda/append_block.cuh,
+// cuda/flush_block.cuh) with its index within the role. The two roles write
+// disjoint buffers (the window; the layer's accumulators, pool entries and
+// indexer keys), read only inputs and add into `errors` with atomics, so
+// the result and the counts are those of the append kernel followed by the
+// flush kernel.
+#include <cuda_runtime.h>
+
+#include "append_block.cuh"
+#include "flush_block.cuh"
+#include "handlers_cuda.h"
+#include "kernels.cuh"
+#include "write_layer.h"
+
+namespace dsv4 {
+namespace {
+
+constexpr int kThreads = append_kernel::kThreads;
+static_assert(kThreads == flush_kernel::kThreads, "both roles run 512-thread blocks");
+
+template <bool kCsa>
+__global__ void __launch_bounds__(kThreads, 1)
+    WriteLayerKernel(AppendArgs a, append_kernel::AppendPlan plan, FlushArgs f) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ append_kernel::AppendShared append_sh;
+  __shared__ flush_kernel::FlushShared flush_sh;
+  if (blockIdx.x < plan.blocks)
+    append_kernel::AppendBlock(a, plan, blockIdx.x, smem, append_sh);
+  else
+    flush_kernel::FlushBlock<kCsa>(f, blockIdx.x - plan.blocks, gridDim.x - plan.blocks,
+                                   flush_sh);
+}
+
+template <bool kCsa>
+ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, const char* what) {
+  // one block a multiprocessor: the flush role's registers allow no more
+  const append_kernel::AppendPlan plan = append_kernel::PlanAppend(w.append.T, w.append.R, 1);
+  // flush blocks rounded up to whole clusters (the extra ones share the rows)
+  const unsigned k = plan.cluster;
+  const unsigned flush_blocks = (flush_kernel::FlushGrid(w.flush.T) + k - 1) / k * k;
+  return cuda::LaunchResult(
+      cuda::LaunchOverlapped(WriteLayerKernel<kCsa>, dim3(plan.blocks + flush_blocks),
+                             dim3(kThreads), plan.smem, k, stream, w.append, plan, w.flush),
+      what);
+}
+
+ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
+                             ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
+                             ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                             ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
+                             ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
+                             ffi::AnyBuffer index_kv, ffi::AnyBuffer index_score,
+                             ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
+                             ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table,
+                             ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  WriteLayerArgs w;
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(
+      kv_format, max_context, window_layer, layer, token_slot, token_pos, kv, comp_kv,
+      comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
+      index_inv_freq, block_table, args, rets, &w));
+  return LaunchWriteLayer<true>(stream, w, "write_layer_csa");
+}
+
+ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
+                             ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
+                             ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                             ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
+                             ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
+                             ffi::AnyBuffer block_table, ffi::RemainingArgs args,
+                             ffi::RemainingRets rets) {
+  WriteLayerArgs w;
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, window_layer, layer,
+                                             token_slot, token_pos, kv, comp_kv, comp_score, ape,
+                                             norm, inv_freq, block_table, args, rets, &w));
+  return LaunchWriteLayer<false>(stream, w, "write_layer_hca");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    WriteLayerCsaCuda, WriteLayerCsaImpl,
+    BindWriteLayer<true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    WriteLayerHcaCuda, WriteLayerHcaImpl,
+    BindWriteLayer<false>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace dsv4
