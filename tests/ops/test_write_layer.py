@@ -17,10 +17,11 @@ import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as K
 
-from conftest import CUDA, assert_trees_bytes_equal, requires_cpu_ffi
-from harness import poison
-from inplace import assert_in_place, compiled_text
-from scenario import Flips, compare_states, layer_params, step_inputs
+from dsv4_jax.workload import Flips, compare_states, layer_params, step_inputs
+from support.harness import poison
+from support.inplace import assert_in_place, compiled_text
+from support.marks import CUDA, requires_cpu_ffi
+from support.trees import assert_trees_bytes_equal
 
 FORMATS = ("ds_fp8", "fp8_token", "bf16")
 T_PAD = 512                # every step of the workload padded to this many rows
