@@ -16,7 +16,8 @@ conversion, so the C++ and CUDA kernels can reproduce each byte:
   is copied, so -0.0 gives 0x80.
 * e2m1 (MXFP4 element): magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} are codes 0-7;
   a value half way between two magnitudes goes to the even code; the sign
-  bit of the input becomes bit 3 (so -0.0 and small negatives give 0x8).
+  bit of the input becomes bit 3 (so -0.0 and negatives that round to
+  magnitude 0 give 0x8: docs/design.md §4, the sign of a zero code).
 
 Formats (x is the bf16 entry, upcast exactly to f32):
 

@@ -206,8 +206,10 @@ DSV4_HD float E2m1Magic(float a) {
 
 // Nearest magnitude, a tie going to the even code (the rounding of the format):
 // 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
-// |x| > 6 and +-inf saturate to 6; the sign bit follows the fp32 sign (so
-// -0 -> 0x8). The format has no NaN: NaN gives 0x8, as ml_dtypes does.
+// |x| > 6 and +-inf saturate to 6; the sign bit follows the fp32 sign, so
+// -0 and a negative value rounding to magnitude 0 give 0x8 (docs/design.md
+// §4, the sign of a zero code). The format has no NaN: NaN gives 0x8, as
+// ml_dtypes does.
 // Integer and fp32 operations only, no branches (a GPU warp does not
 // diverge); a NaN runs through them harmlessly and is replaced at the end.
 DSV4_HD uint8_t F32ToE2m1(float f) {
