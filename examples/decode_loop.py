@@ -5,8 +5,10 @@ token batch that does
 
     apply_step                      once per step (new blocks, reset slots)
     per layer:
-      append                        the step's KV rows into the sliding window
-      flush          (CSA / HCA)    compressor projections -> compressed entries
+      write_layer                   append (the step's KV rows into the sliding
+                                    window) and, on CSA / HCA layers, flush
+                                    (compressor projections -> compressed entries)
+                                    in one call
       gather_window                 the last 128 entries of each request
       indexer_topk   (CSA)          the lightning indexer's top-k entries
       gather_topk    (CSA)          the entries the indexer picked
@@ -102,17 +104,19 @@ def rms_norm(x, eps=1e-6):
 
 
 def write_cache(state, meta, x, weights, params, layer):
-    """The cache writes of one layer: projections, append, flush."""
+    """The cache writes of one layer, in one call: the projections, then
+    write_layer (append, and flush on a CSA or HCA layer)."""
     kind = state.config.layer_kinds[layer]
     w = weights[layer]
     kv = rms_norm(x @ w["wkv"]).astype(jnp.bfloat16)      # (a real model also ropes it)
-    state = dj.append(state, layer, meta, kv)
     if kind == C.CSA:
-        state = dj.flush(state, layer, meta, x @ w["wc_kv"], x @ w["wc_score"], params[layer],
-                         index_kv=x @ w["wi_kv"], index_score=x @ w["wi_score"])
-    elif kind == C.HCA:
-        state = dj.flush(state, layer, meta, x @ w["wc_kv"], x @ w["wc_score"], params[layer])
-    return state
+        return dj.write_layer(state, layer, meta, kv, x @ w["wc_kv"], x @ w["wc_score"],
+                              params[layer], index_kv=x @ w["wi_kv"],
+                              index_score=x @ w["wi_score"])
+    if kind == C.HCA:
+        return dj.write_layer(state, layer, meta, kv, x @ w["wc_kv"], x @ w["wc_score"],
+                              params[layer])
+    return dj.write_layer(state, layer, meta, kv)
 
 
 def indexer_topk(state, layer, meta, x, w, k):
