@@ -77,7 +77,7 @@ def source_checkout() -> str | None:
 def missing_module_reason(platform: str) -> str:
     """One line: why the FFI module of `platform` ("cpu" / "cuda") is not
     loaded, and how to get it."""
-    module = f"dsv4_jax.{_MODULES['CUDA' if platform == 'cuda' else platform]}"
+    module = f"dsv4_jax.{_MODULES['CUDA' if platform == 'cuda' else platform][0]}"
     if platform == "cuda" and "cpu" in _registered:
         return (f"{module} was not built with this package (no CUDA compiler found, or "
                 f"DSV4_BUILD_CUDA=OFF; `pip install -v` shows what CMake did)")
