@@ -28,20 +28,6 @@ namespace cuda {
 
 constexpr int kChunk = 8;                       // channels per chunk
 constexpr int kChunks = kHeadDim / kChunk;      // 64
-
-// Whether a bf16 row of kHeadDim values (kChunks 16-byte chunks) holds no NaN
-// or Inf: the exponent bits of each half-word are not all ones.
-__device__ __forceinline__ bool RowIsFiniteBf16(const uint4* row) {
-  bool ok = true;
-  for (int i = 0; i < kChunks; ++i) {
-    const uint4 v = __ldg(row + i);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    for (int j = 0; j < 4; ++j)
-      ok = ok && num::Bf16IsFinite(static_cast<uint16_t>(w[j])) &&
-           num::Bf16IsFinite(static_cast<uint16_t>(w[j] >> 16));
-  }
-  return ok;
-}
 constexpr int kNopeChunks = kNopeDim / kChunk;  // 56
 constexpr unsigned kFull = 0xffffffffu;
 

@@ -89,6 +89,13 @@ def ffi_call(target: str, args: Sequence, out_types: Sequence, aliases: dict, **
     return list(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
 
 
+def errors_alias(arg_index: int, result_index: int, return_state: bool) -> dict:
+    """A read op's aliasing of its `errors` argument into its errors result:
+    only when the op returns the state. Aliasing a buffer the caller still
+    holds (the state it did not take back) makes XLA copy it before the call."""
+    return {arg_index: result_index} if return_state else {}
+
+
 def ffi_in_place(target: str, inputs: Sequence, aliased: Sequence, **attrs) -> list:
     """Call FFI `target` on `inputs` (read only) followed by `aliased` (updated
     in place), returning the new values of `aliased`. Buffers keep their native

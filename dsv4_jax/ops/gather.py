@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from .. import config as C
 from .. import reference
 from ..state import CacheState
-from ._dispatch import check_array, check_state, ffi_call, resolve_impl
+from ._dispatch import check_array, check_state, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand, pick_layer, traced_layer
 from ..sharding import run_sharded
 
@@ -64,13 +64,6 @@ def _sharded(fn, state, layer, rows, return_state, n_out=2):
         return out
     outs = ("rows",) * n_out + (("state",) if return_state else ())
     return run_sharded(body, state, rows, lay, outs)
-
-
-def _errors_alias(arg_index, return_state):
-    """The aliasing of the `errors` argument into the last result: only when
-    the state is returned. Aliasing a buffer the caller still holds (the
-    state it did not take back) makes XLA copy it before every call."""
-    return {arg_index: 2} if return_state else {}
 
 
 def _finish(state, outputs, errors, return_state):
@@ -115,7 +108,7 @@ def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "au
             [jax.ShapeDtypeStruct((B, C.WINDOW, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((B, C.WINDOW), _I32),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            _errors_alias(3, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
+            errors_alias(3, 2, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
     return _finish(state, (kv, pos), errors, return_state)
 
 
@@ -163,7 +156,7 @@ def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.
             [jax.ShapeDtypeStruct((T, k, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((T, k), jnp.bool_),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            _errors_alias(5, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
+            errors_alias(5, 2, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
     return _finish(state, (kv, valid), errors, return_state)
 
 
@@ -207,5 +200,5 @@ def gather_all(state: CacheState, layer, slots: jax.Array, lengths: jax.Array,
             [jax.ShapeDtypeStruct((B, max_entries, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((B,), _I32),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            _errors_alias(4, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
+            errors_alias(4, 2, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
     return _finish(state, (kv, count), errors, return_state)

@@ -92,7 +92,7 @@ from .. import config as C
 from .. import reference
 from ..sharding import run_sharded
 from ..state import CacheState
-from ._dispatch import check_array, check_state, ffi_call, resolve_impl
+from ._dispatch import check_array, check_state, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand, pick_layer, traced_layer
 
 _I32 = jnp.int32
@@ -167,7 +167,7 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
              jax.ShapeDtypeStruct((T, E), jnp.uint32),
              jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            {6: 3} if return_state else {}, q_format=Q_FORMATS[q_format])
+            errors_alias(6, 3, return_state), q_format=Q_FORMATS[q_format])
     if not return_state:
         return indices
     return indices, dataclasses.replace(state, errors=errors)
