@@ -27,13 +27,13 @@ __global__ void __launch_bounds__(kThreads) GatherTopkKernel(GatherTopkArgs a) {
       if (s == -1) {
       } else if (s < 0 || s >= a.R) {
         if (j == 0) err = kBadSlot;
-      } else if (p < 0) {
+      } else if (!QueryPositionOk(p, a.MB)) {
         if (j == 0) err = kBadPosition;
       } else {
         const int64_t i = __ldg(a.indices + row);
         if (i == -1) {
-        } else if (i < -1 || i >= (p + 1) / kCsaRatio || i >= a.MB * a.per_block) {
-          err = kBadIndex;  // past the block table counts as a bad index
+        } else if (i < -1 || i >= IndexVisible(p, a.MB * a.per_block)) {
+          err = kBadIndex;
         } else {
           const int64_t logical = i / a.per_block;
           const int64_t block = __ldg(a.block_table + s * a.MB + logical);

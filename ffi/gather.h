@@ -10,6 +10,7 @@
 
 #include "dsv4/entry_checks.h"
 #include "dsv4/ffi_checks.h"
+#include "dsv4/indexer.h"
 #include "dsv4/layout.h"
 
 namespace dsv4 {

@@ -28,16 +28,15 @@ ffi::Error GatherTopkImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffe
       ++a.errors[kBadSlot];
       continue;
     }
-    if (p < 0) {
+    if (!QueryPositionOk(p, a.MB)) {
       ++a.errors[kBadPosition];
       continue;
     }
-    const int64_t visible = (p + 1) / kCsaRatio;
+    const int64_t visible = IndexVisible(p, a.MB * a.per_block);
     for (int64_t j = 0; j < a.K; ++j) {
       int64_t i = a.indices[t * a.K + j];
       if (i == -1) continue;
-      // Past the block table counts as a bad index, not a missing block.
-      if (i < -1 || i >= visible || i >= a.MB * a.per_block) {
+      if (i < -1 || i >= visible) {
         ++a.errors[kBadIndex];
         continue;
       }

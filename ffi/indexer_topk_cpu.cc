@@ -37,13 +37,13 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
       ++a.errors[kBadSlot];
       continue;
     }
-    if (p < 0) {
+    if (!QueryPositionOk(p, a.MB)) {
       ++a.errors[kBadPosition];
       continue;
     }
-    const int64_t n = IndexVisible(p, a.E);
     const uint16_t* qt = a.q + t * kIndexHeads * kIndexDim;
     const float* w = a.weights + t * kIndexHeads;
+    const int64_t n = IndexVisible(p, a.E);
     // mxfp4: the token's rounded query in qscratch, in both forms
     int8_t *q2 = nullptr, *q2s = nullptr;
     float *qfac = nullptr, *wq = nullptr;

@@ -18,7 +18,7 @@ struct TokenInfo {
 __device__ TokenInfo ReadToken(const IndexerTopkArgs& a, int64_t t) {
   TokenInfo ti{false, 0, 0};
   int64_t l = *a.layer, s = a.slot[t], p = a.pos[t];
-  if (l < 0 || l >= a.L || s < 0 || s >= a.R || p < 0) return ti;
+  if (l < 0 || l >= a.L || s < 0 || s >= a.R || !QueryPositionOk(p, a.MB)) return ti;
   ti.ok = true;
   ti.slot = s;
   ti.n = IndexVisible(p, a.E);

@@ -25,10 +25,11 @@ the entry leaves nope, rope[, scale] come last, scale absent for bf16):
   Entry i is visible to a query at position t iff 0 <= i < (t + 1) // 4.
   index -1 -> zero row, valid False, no error; index < -1 or not visible ->
   BAD_INDEX; block missing -> MISSING_BLOCK; token slot -1 -> whole row
-  invalid, no error; bad slot -> BAD_SLOT; pos < 0 -> BAD_POSITION (once per token).
-  A bad slot or position invalidates the whole row without examining its
-  indices. An index past the block table (i >= MB * 32, only reachable when
-  pos >= max_context, which is not itself an error here) -> BAD_INDEX.
+  invalid, no error; bad slot -> BAD_SLOT; pos < 0 or >= max_context
+  (= MB * 128, read off block_table's shape; append's and flush's rule) ->
+  BAD_POSITION (once per token). A bad slot or position invalidates the
+  whole row without examining its indices; a good position sees at most
+  MB * 32 entries, so every visible index lies inside the block table.
 "dsv4_gather_all"
   attrs  kv_format, max_context
   args   layer i32[] (HCA index), slots i32[B], lengths i32[B], block_table,
@@ -128,9 +129,9 @@ def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.
                           return_state=False, (kv, valid)
 
     A query at position t sees entries i < (t + 1) // 4. A row with slot -1 is
-    all invalid, nothing counted. Counted: BAD_SLOT and BAD_POSITION (pos < 0)
-    once per row, which is then all invalid; per index BAD_INDEX (< -1 or not
-    visible) and MISSING_BLOCK; BAD_LAYER."""
+    all invalid, nothing counted. Counted: BAD_SLOT and BAD_POSITION (pos < 0
+    or >= max_context) once per row, which is then all invalid; per index
+    BAD_INDEX (< -1 or not visible) and MISSING_BLOCK; BAD_LAYER."""
     check_state(state)
     cfg = state.config
     check_array("token_slot", token_slot, (None,), _I32)

@@ -5,8 +5,8 @@ indexer_topk(state, layer, token_slot[T], token_pos[T], q bf16[T, 64, 128],
              weights f32[T, 64], k) -> (indices i32[T, k], state)
 
 For query token t (slot s, position p) the candidates are the entries
-i < (p + 1) // 4 of request s in that CSA layer (capped at the block table:
-i < MB * 32), read through the block table (block_table[s, i // 32], row
+i < (p + 1) // 4 of request s in that CSA layer (at most MB * 32, as p <
+max_context), read through the block table (block_table[s, i // 32], row
 i % 32). Each gets
 
     score_i = sum_h w[t, h] * relu(q[t, h] . key_i)
@@ -15,15 +15,16 @@ and the result lists the k best candidates by descending score, equal scores
 by ascending index, then -1 where fewer than k exist. Every returned index
 is visible and in an existing block, so it can be fed to gather_topk as is.
 
-Rules per token (gather_topk's): slot -1 -> all -1, nothing counted; slot
-outside [0, R) -> BAD_SLOT, all -1; pos < 0 -> BAD_POSITION, all -1; a
-logical block the token needs (j * 32 < visible count) whose table entry is
-outside [0, N) -> MISSING_BLOCK once for that block, its 32 entries are not
-candidates. A bad traced layer -> BAD_LAYER once, every row -1. The state
-comes back after the indices, its `errors` updated; with
-`return_state=False` only the indices, and the call's counts are not kept
-(the `errors` result is then a scratch buffer, not aliased, so XLA copies
-nothing).
+Rules per token (gather_topk's), in this order, each counted once and
+leaving the row all -1: slot -1 -> nothing counted; slot outside [0, R) ->
+BAD_SLOT; pos < 0 or >= max_context (= MB * 128, read off block_table's
+shape) -> BAD_POSITION. Then a logical block the token needs
+(j * 32 < visible count) whose table entry is outside [0, N) ->
+MISSING_BLOCK once for that block, its 32 entries are not candidates. A bad
+traced layer -> BAD_LAYER once, every row -1. The state comes back after the
+indices, its `errors` updated; with `return_state=False` only the indices,
+and the call's counts are not kept (the `errors` result is then a scratch
+buffer, not aliased, so XLA copies nothing).
 
 Arithmetic (identical in the jnp reference, the C++ handler and the CUDA
 kernel, so the three return the same indices in the same order):

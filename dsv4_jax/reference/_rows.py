@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import config as C
 from ..errors import NUM_ERROR_KINDS, ErrorKind
 
 
@@ -38,14 +39,30 @@ def count(mask):
     return jnp.sum(mask, dtype=jnp.int32)
 
 
+def position_ok(token_pos, max_context: int):
+    """0 <= pos < max_context for int32 positions; a max_context past the
+    int32 range bounds nothing (and must not become an int32 constant)."""
+    ok = token_pos >= 0
+    if max_context <= np.iinfo(np.int32).max:
+        ok = ok & (token_pos < max_context)
+    return ok
+
+
 def token_checks(token_slot, token_pos, R: int, max_context: int):
     """Per token: (valid, bad_slot, bad_pos). Slot -1 is padding (neither
     valid nor an error); a slot outside [0, R) is BAD_SLOT; a position < 0 or
     >= max_context of a good slot is BAD_POSITION."""
     pad = token_slot == -1
     slot_ok = (token_slot >= 0) & (token_slot < R)
-    pos_ok = (token_pos >= 0) & (token_pos < max_context)
+    pos_ok = position_ok(token_pos, max_context)
     return slot_ok & pos_ok, ~pad & ~slot_ok, slot_ok & ~pos_ok
+
+
+def visible_entries(token_pos, limit: int):
+    """CSA entries a query at position pos >= 0 sees: min((pos + 1) // 4,
+    limit), without the int32 overflow of pos + 1 at pos = 2^31 - 1."""
+    n = token_pos // C.CSA_RATIO + (token_pos % C.CSA_RATIO == C.CSA_RATIO - 1)
+    return jnp.minimum(n, limit)
 
 
 def set_pool_rows(pool, index, values):

@@ -13,7 +13,7 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import CacheState
 from . import quant
-from ._rows import add_errors, count, layer_ok, read_index
+from ._rows import add_errors, count, layer_ok, read_index, token_checks, visible_entries
 
 
 def _read_entries(pool, layer, block, row, kv_format, ok):
@@ -31,11 +31,11 @@ def gather_topk(state: CacheState, kind_idx, token_slot, token_pos, indices):
 
     A query at position t sees entry i iff 0 <= i < (t + 1) // 4. Per token:
     slot -1 -> the row is invalid, nothing counted; slot outside [0, R) ->
-    BAD_SLOT once; pos < 0 -> BAD_POSITION once; in those cases the indices of
-    the row are not examined. Per index of a good token: -1 -> invalid, no
-    error; < -1, not visible, or past the block table (i >= MB * 32, only
-    possible for t >= max_context) -> BAD_INDEX; block table entry outside
-    [0, N) -> MISSING_BLOCK."""
+    BAD_SLOT once; pos < 0 or >= max_context -> BAD_POSITION once; in those
+    cases the indices of the row are not examined. Per index of a good token:
+    -1 -> invalid, no error; < -1 or not visible -> BAD_INDEX (a good
+    position sees at most MB * 32 entries, so a visible index is inside the
+    block table); block table entry outside [0, N) -> MISSING_BLOCK."""
     cfg = state.config
     R, MB = cfg.max_requests, cfg.max_blocks_per_request
     N = cfg.num_blocks
@@ -43,13 +43,11 @@ def gather_topk(state: CacheState, kind_idx, token_slot, token_pos, indices):
     per_block = C.BLOCK_TOKENS // C.CSA_RATIO
     ok_layer = layer_ok(kind_idx, Lc)
 
-    slot_ok = (token_slot >= 0) & (token_slot < R)
-    bad_slot = (token_slot != -1) & ~slot_ok
-    bad_pos = slot_ok & (token_pos < 0)
-    row_ok = (slot_ok & ~bad_pos)[:, None]
-    visible = ((token_pos + 1) // C.CSA_RATIO)[:, None]
+    row_ok, bad_slot, bad_pos = token_checks(token_slot, token_pos, R, cfg.max_context)
+    row_ok = row_ok[:, None]
+    visible = visible_entries(token_pos, MB * per_block)[:, None]
     examined = row_ok & (indices != -1)
-    bad_index = examined & ((indices < -1) | (indices >= visible) | (indices >= MB * per_block))
+    bad_index = examined & ((indices < -1) | (indices >= visible))
     col = jnp.clip(indices // per_block, 0, MB - 1)
     block = state.block_table[read_index(token_slot, R)[:, None], col]
     missing = examined & ~bad_index & ((block < 0) | (block >= N))

@@ -18,18 +18,11 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import CacheState
 from . import quant
-from ._rows import add_errors, count, layer_ok, read_index
+from ._rows import add_errors, count, layer_ok, read_index, token_checks, visible_entries
 
 _I32 = jnp.int32
 _CHUNK_BLOCKS = 8          # logical blocks (of 32 entries) scored per map step
 _SENTINEL = np.int32(np.iinfo(np.int32).min)   # rank key of a non-candidate
-
-
-def visible_entries(token_pos, limit: int):
-    """min((pos + 1) // 4, limit) for pos >= 0, without overflowing int32 at
-    pos = 2^31 - 1."""
-    n = token_pos // C.CSA_RATIO + (token_pos % C.CSA_RATIO == C.CSA_RATIO - 1)
-    return jnp.minimum(n, limit)
 
 
 def score_entries(kf, qf, w):
@@ -103,10 +96,8 @@ def indexer_topk(state: CacheState, kind_idx, token_slot, token_pos, q, weights,
     ok_layer = layer_ok(kind_idx, Lc)
     T = token_slot.shape[0]
 
-    slot_ok = (token_slot >= 0) & (token_slot < R)
-    bad_slot = (token_slot != -1) & ~slot_ok
-    bad_pos = slot_ok & (token_pos < 0)
-    row_ok = slot_ok & ~bad_pos & ok_layer
+    token_ok, bad_slot, bad_pos = token_checks(token_slot, token_pos, R, cfg.max_context)
+    row_ok = token_ok & ok_layer
     n_vis = jnp.where(row_ok, visible_entries(token_pos, E), 0)          # [T]
 
     blocks = state.block_table[read_index(token_slot, R)]                # [T, MB]

@@ -34,8 +34,8 @@ def test_topk_visibility_and_errors(filled):
         [0, 1, 2, 3, 4, 5, 6, 7],             # bad slot: BAD_SLOT once
         [0, 1, 2, 3, 4, 5, 6, 7],             # negative position: BAD_POSITION once
         [0, 5, -1, -1, -1, -1, -1, -1],       # no blocks: MISSING_BLOCK per index
-        [127, 128, -1, -1, -1, -1, -1, -1],   # t past max context: 127 has no block,
-                                              # 128 is past the block table (BAD_INDEX)
+        [127, 128, -1, -1, -1, -1, -1, -1],   # t past max context (512): BAD_POSITION
+                                              # once, its indices not examined
     ])
     kv, valid, st = D.gather_topk(state, 1, jnp.asarray(slot), jnp.asarray(pos),
                                   jnp.asarray(idx), return_state=True)
@@ -48,9 +48,35 @@ def test_topk_visibility_and_errors(filled):
     assert not kv[~valid].any()
     assert np.all(np.abs(kv[valid]).sum(-1) > 0)
     np.testing.assert_array_equal(kv[0, 0], kv[2, 0])        # the same entry 0
-    assert errs(st) == {EK.BAD_INDEX: 3 + 1 + 1 + 2 + 1, EK.BAD_SLOT: 1, EK.BAD_POSITION: 1,
-                        EK.MISSING_BLOCK: 2 + 1}
+    assert errs(st) == {EK.BAD_INDEX: 3 + 1 + 1 + 2, EK.BAD_SLOT: 1, EK.BAD_POSITION: 1 + 1,
+                        EK.MISSING_BLOCK: 2}
     assert same(st.csa, state.csa) and same(st.swa, state.swa)
+
+
+@every_impl
+def test_topk_positions_at_and_past_max_context(filled):
+    """A query position must lie in [0, max_context) (= 512 here), the rule of
+    append and flush: at 511 every entry of the table is visible; at 512 and
+    at 2^31 - 1 (where (t + 1) // 4 overflows int32) the token counts one
+    BAD_POSITION and its row is invalid without its indices being examined."""
+    state, mgr = filled["state"], filled["mgr"]
+    a = mgr.slot_of(filled["ids"][0])            # 300 tokens: entries 0..74, blocks 0..2
+    top = state.config.max_context
+    slot = np.int32([a, a, a, a])
+    pos = np.int32([top - 1, top, 2 ** 31 - 1, 299])
+    idx = np.int32([[0, 74, 127, -7],            # 127 visible, its logical block 3 missing
+                    [0, 74, 127, -7],
+                    [0, 74, 127, -7],
+                    [0, 74, 75, -1]])            # t 299 sees 0..74
+    kv, valid, st = D.gather_topk(state, 1, jnp.asarray(slot), jnp.asarray(pos),
+                                  jnp.asarray(idx), return_state=True)
+    kv, valid = np.asarray(kv, np.float32), np.asarray(valid)
+    want = np.zeros((4, 4), bool)
+    want[0, [0, 1]] = want[3, [0, 1]] = True
+    np.testing.assert_array_equal(valid, want)
+    assert not kv[~valid].any() and np.all(np.abs(kv[valid]).sum(-1) > 0)
+    np.testing.assert_array_equal(kv[0, :2], kv[3, :2])        # the same entries 0 and 74
+    assert errs(st) == {EK.BAD_POSITION: 2, EK.MISSING_BLOCK: 1, EK.BAD_INDEX: 2}
 
 
 # ---- the CPU handler -------------------------------------------------------------------

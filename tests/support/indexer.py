@@ -157,7 +157,7 @@ def expected(st, layer, slot, pos, q, w, k, q_format="bf16"):
     kind_idx = cfg.kind_index(layer, "csa")
     rows, info = [], []
     for t in range(len(slot)):
-        if not (0 <= slot[t] < cfg.max_requests) or pos[t] < 0:
+        if not (0 <= slot[t] < cfg.max_requests) or not 0 <= pos[t] < cfg.max_context:
             rows.append(np.full(k, -1, np.int32))
             info.append(None)
             continue

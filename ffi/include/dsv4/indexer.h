@@ -252,6 +252,11 @@ DSV4_HD float IndexScoreMxfp4Fast(const uint8_t* packed, uint32_t shifts, float 
   return kf * PairwiseSum64(c);
 }
 
+// Whether a query position of gather_topk or indexer_topk is good: 0 <= p <
+// max_context, the reach MB * 128 of a block table of MB columns (the rule of
+// append and flush). Such a query sees at most MB * 32 entries.
+DSV4_HD bool QueryPositionOk(int64_t p, int64_t mb) { return p >= 0 && p < mb * kBlockTokens; }
+
 // Entries a query at position p >= 0 may see: (p + 1) / 4, capped at `limit`.
 DSV4_HD int64_t IndexVisible(int64_t p, int64_t limit) {
   int64_t n = (p + 1) / kCsaRatio;
