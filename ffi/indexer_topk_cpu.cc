@@ -43,6 +43,10 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
     }
     const uint16_t* qt = a.q + t * kIndexHeads * kIndexDim;
     const float* w = a.weights + t * kIndexHeads;
+    if (!num::RowIsFinite(qt, kIndexHeads * kIndexDim) || !num::RowIsFinite(w, kIndexHeads)) {
+      ++a.errors[kNonfinite];
+      continue;
+    }
     const int64_t n = IndexVisible(p, a.E);
     // mxfp4: the token's rounded query in qscratch, in both forms
     int8_t *q2 = nullptr, *q2s = nullptr;

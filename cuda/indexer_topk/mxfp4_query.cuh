@@ -8,6 +8,7 @@
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/mxfp4_head_tree.cuh"
 #include "indexer_topk/mxfp4_mma.cuh"
+#include "indexer_topk/token.cuh"
 #include "indexer_topk.h"
 #include "kernels.cuh"
 
@@ -66,6 +67,14 @@ __device__ __forceinline__ QueryBlockRaw LoadQueryBlock(const IndexerTopkArgs& a
   for (int i = 0; i < kMxfp4Block / 8; ++i) r.q[i] = src[i];
   r.w = a.weights[t * kIndexHeads + h];
   return r;
+}
+
+// Whether a loaded (head, block) holds no NaN or Inf, its weight included.
+__device__ __forceinline__ bool QueryBlockFinite(const QueryBlockRaw& raw) {
+  bool ok = num::IsFinite(raw.w);
+#pragma unroll
+  for (int i = 0; i < kMxfp4Block / 8; ++i) ok &= QueryWordFinite(raw.q[i]);
+  return ok;
 }
 
 // One (head h, block b) of the token's query into `qo`: the block's scale

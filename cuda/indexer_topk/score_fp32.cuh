@@ -13,7 +13,8 @@ namespace indexer {
 namespace {  // internal linkage: see cuda/indexer_topk.cu
 
 // Grid (T, entry chunks of kScoreThreads): the token's q (as fp32) and
-// weights in shared memory; one thread per visible entry reads its key
+// weights in shared memory (a token with a NaN or Inf in them leaves its row
+// alone: the select drops it); one thread per visible entry reads its key
 // through the block table (4 x 16-byte loads + the 4 scale bytes), decodes
 // it into 128 registers and computes the score in the fixed order
 // (dsv4/indexer.h); it stores the rank key (0 for an entry of a missing
@@ -27,8 +28,10 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(IndexerTopkArgs a) 
   if (!ti.ok || first >= ti.n) return;
   // q: 8192 bf16 = 1024 x 16 bytes, four per thread
   const uint4* qg = reinterpret_cast<const uint4*>(a.q + t * kIndexHeads * kIndexDim);
+  bool finite = true;
   for (int v = threadIdx.x; v < kIndexHeads * kIndexDim / 8; v += kScoreThreads) {
     uint4 raw = qg[v];
+    finite &= QueryWordFinite(raw);
     uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -36,8 +39,12 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(IndexerTopkArgs a) 
       qs[8 * v + 2 * e + 1] = num::BitsFloat(w4[e] & 0xffff0000u);
     }
   }
-  if (threadIdx.x < kIndexHeads) ws[threadIdx.x] = a.weights[t * kIndexHeads + threadIdx.x];
-  __syncthreads();
+  if (threadIdx.x < kIndexHeads) {
+    const float w = a.weights[t * kIndexHeads + threadIdx.x];
+    ws[threadIdx.x] = w;
+    finite &= num::IsFinite(w);
+  }
+  if (!__syncthreads_and(finite)) return;     // NONFINITE: the select drops the row
 
   const int64_t i = first + threadIdx.x;
   if (i >= ti.n) return;
@@ -109,8 +116,10 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
   const int64_t first = static_cast<int64_t>(blockIdx.y) * kGroupEntries;
   if (!ti.ok || first >= ti.n) return;
   const uint4* qg = reinterpret_cast<const uint4*>(a.q + t * kIndexHeads * kIndexDim);
+  bool finite = true;
   for (int v = threadIdx.x; v < kIndexHeads * kIndexDim / 8; v += kScoreThreads) {
     uint4 raw = qg[v];
+    finite &= QueryWordFinite(raw);
     uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
     const int c0 = 8 * v;                     // first channel of these 8 (same head, block)
     float* dst = qs + (c0 / kIndexDim) * kQHeadStride + ((c0 % kIndexDim) / kMxfp4Block) * kQBlockStride +
@@ -121,8 +130,12 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
       dst[2 * e + 1] = num::BitsFloat(w4[e] & 0xffff0000u);
     }
   }
-  if (threadIdx.x < kIndexHeads) ws[threadIdx.x] = a.weights[t * kIndexHeads + threadIdx.x];
-  __syncthreads();
+  if (threadIdx.x < kIndexHeads) {
+    const float w = a.weights[t * kIndexHeads + threadIdx.x];
+    ws[threadIdx.x] = w;
+    finite &= num::IsFinite(w);
+  }
+  if (!__syncthreads_and(finite)) return;     // NONFINITE: the select drops the row
 
   const int lane = threadIdx.x & 31;
   const int b = threadIdx.x & 3;

@@ -86,6 +86,9 @@ __device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfra
   return make_float4(l4[0], l4[1], l4[2], l4[3]);
 }
 
+// A token with a NaN or Inf in q or its weights is found while its query is
+// rounded; the CTA then stops before it counts a missing block or scores a
+// key (the select drops the row and counts it once).
 // One CTA: one token, columns * tiles_per_warp tiles of consecutive entries;
 // the warps of column w take tiles w, w + columns, ..., each keeping
 // kStages - 1 of them in flight. One CTA of 16 warps a multiprocessor (128
@@ -107,6 +110,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   __shared__ int32_t blocks_s[kMmaWarps * kMaxTilesPerWarp];
   // kPairs: warp 2p + 1's halves of the head tree, a buffer per tile parity
   __shared__ float half_l3[kPairs ? 2 : 1][kPairs ? TileColumns(true) : 1][4][32];
+  __shared__ int nonfinite_s;                                  // a NaN or Inf in q or weights
   cuda::LetNextStart();        // the select may take multiprocessors this grid leaves
   const int64_t t = blockIdx.x;
   // the query first, even before the token's slot and position (its address
@@ -133,13 +137,12 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
     neg_lo = __float_as_uint(a.weights[t * kIndexHeads + threadIdx.x]) >> 31;
     neg_hi = __float_as_uint(a.weights[t * kIndexHeads + 32 + threadIdx.x]) >> 31;
   }
+  const int64_t j_first = first / kTile;                      // this CTA's first logical block
   if (threadIdx.x < columns * tiles_per_warp) {
-    // each logical block is read here by one CTA: it counts a missing one
-    const int64_t j = first / kTile + threadIdx.x;
-    const int32_t block = j < a.MB ? a.block_table[ti.slot * a.MB + j] : -1;
-    blocks_s[threadIdx.x] = block;
-    if (j * kPerBlock < ti.n && (block < 0 || block >= a.N)) atomicAdd(&a.errors[kMissingBlock], 1);
+    const int64_t j = j_first + threadIdx.x;
+    blocks_s[threadIdx.x] = j < a.MB ? a.block_table[ti.slot * a.MB + j] : -1;
   }
+  if (threadIdx.x == 0) nonfinite_s = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int column = kPairs ? warp >> 1 : warp;                // tiles column + columns * it
@@ -165,19 +168,32 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
 #pragma unroll 1
   for (int it = 0; it < kStages - 1; ++it) issue(it);
   // the query, while the first tiles arrive (whole warps of pairs or none)
-  bool head_fast = true;
+  bool head_fast = true, finite = true;
 #pragma unroll
   for (int i = 0; i < kQueryPairsPerThread; ++i) {
     const int pair = threadIdx.x + i * kMmaThreads;
-    if (pair < kQueryPairs)
+    if (pair < kQueryPairs) {
+      finite &= QueryBlockFinite(qraw[i]);
       head_fast &= QuantizeQueryPair(qraw[i], pair / kIndexScales, pair % kIndexScales, qo);
+    }
   }
+  if (!finite) nonfinite_s = 1;
   if (threadIdx.x < 32) {
     const uint64_t neg = __ballot_sync(cuda::kFull, neg_lo) |
                          static_cast<uint64_t>(__ballot_sync(cuda::kFull, neg_hi)) << 32;
     if (threadIdx.x < 4) qo.tree[threadIdx.x] = MakeTreeSigns(neg, threadIdx.x);
   }
   const bool token_fast = __syncthreads_and(head_fast);
+  if (nonfinite_s) {                                           // NONFINITE: the select drops the row
+    CpAsyncWait<0>();
+    return;
+  }
+  if (threadIdx.x < columns * tiles_per_warp) {
+    // each logical block is read by one CTA: it counts a missing one
+    const int64_t j = j_first + threadIdx.x;
+    const int32_t block = blocks_s[threadIdx.x];
+    if (j * kPerBlock < ti.n && (block < 0 || block >= a.N)) atomicAdd(&a.errors[kMissingBlock], 1);
+  }
   for (int it = 0; it < tiles; ++it) {                         // uniform per warp
     const int32_t block = blocks_s[column + columns * it];    // read early: hides its latency
     issue(it + kStages - 1);

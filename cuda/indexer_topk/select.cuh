@@ -352,7 +352,8 @@ __device__ __forceinline__ void BlockTopK(const TokenKeys& keys, const uint32_t*
 }
 
 // One token a block (a cluster of `ctas` blocks, kCluster): the token's
-// checks and error counts, then BlockTopK over its row of the scratch's rank
+// checks and error counts (slot, position, then a NaN or Inf in its q or
+// weights: the row all -1), then BlockTopK over its row of the scratch's rank
 // keys. Launched overlapped (cuda::LaunchOverlapped): its CTAs clear their
 // shared memory and read their token's slot and position before they wait
 // for the score kernel. count_missing: the score kernel did not count the
@@ -369,17 +370,21 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   const int64_t t = kCluster ? blockIdx.x / ctas : blockIdx.x;
   const int64_t l = *a.layer;
   const TokenInfo ti = t < a.T ? ReadToken(a, t) : TokenInfo{false, 0, 0};
+  // a good token's q and weights: checked by every CTA of its cluster, so all
+  // agree without a cluster barrier (16 KB of reads, before the wait)
+  const bool finite = !ti.ok || TokenInputsFinite(a, t);   // ti.ok: the same in the block
   cuda::WaitForPrevious();     // the score kernel's rank keys (launched overlapped)
   const int rank = kCluster ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
   const int tid = threadIdx.x;
   if (blockIdx.x == 0 && tid == 0 && (l < 0 || l >= a.L)) atomicAdd(&a.errors[kBadLayer], 1);
   if (t >= a.T) return;                        // whole clusters: the grid is T * ctas
   int32_t* out = a.indices + t * a.K;
-  if (!ti.ok) {                                // the same for every CTA of the cluster
+  if (!ti.ok || !finite) {                     // the same for every CTA of the cluster
     if (rank != 0) return;
     if (tid == 0 && l >= 0 && l < a.L) {
       const int64_t s = a.slot[t];
-      if (s != -1 && (s < 0 || s >= a.R)) atomicAdd(&a.errors[kBadSlot], 1);
+      if (ti.ok) atomicAdd(&a.errors[kNonfinite], 1);
+      else if (s != -1 && (s < 0 || s >= a.R)) atomicAdd(&a.errors[kBadSlot], 1);
       else if (s != -1) atomicAdd(&a.errors[kBadPosition], 1);
     }
     for (int64_t r = tid; r < a.K; r += kSelectThreads) out[r] = -1;

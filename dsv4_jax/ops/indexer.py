@@ -15,10 +15,11 @@ and the result lists the k best candidates by descending score, equal scores
 by ascending index, then -1 where fewer than k exist. Every returned index
 is visible and in an existing block, so it can be fed to gather_topk as is.
 
-Rules per token (gather_topk's), in this order, each counted once and
-leaving the row all -1: slot -1 -> nothing counted; slot outside [0, R) ->
-BAD_SLOT; pos < 0 or >= max_context (= MB * 128, read off block_table's
-shape) -> BAD_POSITION. Then a logical block the token needs
+Rules per token, in this order, each counted once and leaving the row all
+-1 (gather_topk's, plus one for the inputs): slot -1 -> nothing counted;
+slot outside [0, R) -> BAD_SLOT; pos < 0 or >= max_context (= MB * 128, read
+off block_table's shape) -> BAD_POSITION; a NaN or Inf anywhere in the
+token's q or weights -> NONFINITE. Then a logical block the token needs
 (j * 32 < visible count) whose table entry is outside [0, N) ->
 MISSING_BLOCK once for that block, its 32 entries are not candidates. A bad
 traced layer -> BAD_LAYER once, every row -1. The state comes back after the

@@ -97,7 +97,10 @@ def indexer_topk(state: CacheState, kind_idx, token_slot, token_pos, q, weights,
     T = token_slot.shape[0]
 
     token_ok, bad_slot, bad_pos = token_checks(token_slot, token_pos, R, cfg.max_context)
-    row_ok = token_ok & ok_layer
+    # a good token whose q or weights hold a NaN or Inf: counted, row dropped
+    finite = jnp.all(jnp.isfinite(q), axis=(1, 2)) & jnp.all(jnp.isfinite(weights), axis=1)
+    nonfinite = token_ok & ~finite
+    row_ok = token_ok & finite & ok_layer
     n_vis = jnp.where(row_ok, visible_entries(token_pos, E), 0)          # [T]
 
     blocks = state.block_table[read_index(token_slot, R)]                # [T, MB]
@@ -106,6 +109,7 @@ def indexer_topk(state: CacheState, kind_idx, token_slot, token_pos, q, weights,
     missing = needed & ((blocks < 0) | (blocks >= N))
     errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
                                                  ErrorKind.BAD_POSITION: count(bad_pos),
+                                                 ErrorKind.NONFINITE: count(nonfinite),
                                                  ErrorKind.MISSING_BLOCK: count(missing)})
 
     layer = read_index(kind_idx, Lc)

@@ -1,6 +1,10 @@
 """indexer_topk at its edges, on every implementation: positions at and past
-max_context (BAD_POSITION) next to good tokens, whose rows are checked
-against a float64 oracle of the score."""
+max_context (BAD_POSITION), and a NaN or Inf in a token's q or weights
+(NONFINITE, counted once, the row all -1) next to good tokens, whose rows
+are checked against a float64 oracle of the score. The CUDA cases add grids
+that pick each score kernel (bf16: four lanes an entry on small grids, one
+thread an entry on large ones; mxfp4: pairs of warps or single warps) and a
+select spread over a cluster."""
 import dataclasses
 
 import jax
@@ -111,3 +115,78 @@ def test_positions_at_and_past_max_context(impl, q_format):
     assert sorted(got[0][:128]) == list(range(128)) and np.all(got[0][128:] == -1)
     for t in (0, 3):
         assert_top_k(got[t], oracle_scores(st, slot[t], pos[t], q[t], w[t], q_format), k)
+
+
+# ---- NaN or Inf in q or weights -------------------------------------------------------
+def poisoned_batch(rng, T_good, max_pos):
+    """T_good good tokens of slots 0 and 1 at random positions < max_pos,
+    then tokens whose q or weights hold a NaN or an Inf, and tokens that
+    break an earlier rule as well (counted under that rule only). Returns
+    slot, pos, q, w, the indices of the bad tokens and the expected counts."""
+    slot = list(rng.integers(0, 2, T_good))
+    pos = list(rng.integers(4, max_pos, T_good))
+    spoil = []   # (slot, pos, where, value)
+    spoil += [(0, max_pos - 1, "q", np.nan), (1, 200, "q", np.inf), (0, 300, "q", -np.inf),
+              (1, 50, "w", np.nan), (0, 77, "w", -np.inf), (1, 120, "w", np.inf)]
+    spoil += [(0, 2, "q", np.nan)]               # sees no entry yet: still counted
+    spoil += [(3, 90, "q", np.nan)]              # no blocks at all: NONFINITE, not MISSING_BLOCK
+    spoil += [(-1, 90, "q", np.nan)]             # padding: nothing counted
+    spoil += [(9, 90, "w", np.nan)]              # bad slot first
+    spoil += [(0, -4, "q", np.nan), (1, max_pos, "w", np.inf)]   # bad position first
+    T = T_good + len(spoil)
+    q, w = queries(rng, T)
+    for j, (s, p, where, value) in enumerate(spoil):
+        t = T_good + j
+        slot.append(s)
+        pos.append(p)
+        if where == "q":
+            q[t, rng.integers(64), rng.integers(128)] = value
+        else:
+            w[t, rng.integers(64)] = value
+    order = rng.permutation(T)                   # bad tokens among the good ones
+    bad = np.flatnonzero(order >= T_good)
+    want = {EK.NONFINITE: 8, EK.BAD_SLOT: 1, EK.BAD_POSITION: 2}
+    return (np.int32(slot)[order], np.int32(pos)[order], q[order], w[order], bad, want)
+
+
+def check_poisoned(st, impl, q_format, T_good, k, seed):
+    rng = np.random.default_rng(seed)
+    max_pos = st.config.max_context
+    slot, pos, q, w, bad, want = poisoned_batch(rng, T_good, max_pos)
+    got, errs = run(st, slot, pos, q, w, k, impl, q_format)
+    assert errs == want
+    assert np.all(got[bad] == -1)
+    good = np.setdiff1d(np.arange(len(slot)), bad)
+    for t in good:
+        assert_top_k(got[t], oracle_scores(st, slot[t], pos[t], q[t], w[t], q_format), k)
+    # the good tokens alone give the same rows and count nothing
+    alone, errs = run(st, slot[good], pos[good], q[good], w[good], k, impl, q_format)
+    assert errs == {}
+    np.testing.assert_array_equal(got[good], alone)
+
+
+@pytest.mark.parametrize("q_format", Q_FORMATS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nonfinite_inputs_drop_the_token(impl, q_format):
+    """A small grid: on CUDA the bf16 four-lane score kernel and the mxfp4
+    kernel in pairs of warps. Slot 3 has no blocks: its NaN token counts
+    NONFINITE only, not MISSING_BLOCK."""
+    rng = np.random.default_rng(5)
+    st = keyed_state(rng, R=4, max_context=512,
+                     blocks={0: [0, 1, 2, 3], 1: [4, 5, 6, 7], 2: [8, 9, 10, 11]})
+    check_poisoned(st, impl, q_format, T_good=6, k=24, seed=6)
+
+
+@pytest.mark.parametrize("q_format", Q_FORMATS)
+@pytest.mark.parametrize("max_context", [
+    16384,        # bf16: one thread an entry; mxfp4: single warps (T * E / 256 > 132)
+    131072,       # and the select over a cluster of 2 CTAs (E = 32768 > 16384)
+])
+@pytest.mark.parametrize("impl", [pytest.param("cuda", marks=CUDA)])
+def test_nonfinite_inputs_drop_the_token_large_grids(impl, max_context, q_format):
+    rng = np.random.default_rng(7)
+    MB = max_context // 128
+    st = keyed_state(rng, R=4, max_context=max_context,
+                     blocks={0: list(range(MB)), 1: list(range(MB, 2 * MB)),
+                             2: list(range(2 * MB, 3 * MB))})
+    check_poisoned(st, impl, q_format, T_good=16, k=64, seed=8)

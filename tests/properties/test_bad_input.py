@@ -199,3 +199,43 @@ def test_gathers_give_zero_rows_for_bad_rows_and_count_them(data):
     assert not np.asarray(got[0][0], np.float32)[bad].any()
     assert np.all(np.asarray(got[0][1])[bad] == -1)
     assert not np.asarray(got[1][1])[bad].any() and not np.asarray(got[2][1])[bad].any()
+
+
+_indexer = jax.jit(lambda s, sl, tp, q, w: dj.indexer_topk(s, 1, sl, tp, q, w, 8,
+                                                           return_state=True))
+
+
+def missing_blocks(slot, pos, kind):
+    """MISSING_BLOCK of indexer_topk's rule: per token that passes the
+    earlier checks, each logical block j with j * 32 < (pos + 1) // 4 whose
+    table entry is missing."""
+    table = np.asarray(BASE.block_table)
+    n = 0
+    for s, p, k in zip(slot, pos, kind):
+        if k in (0, 4):
+            vis = (int(p) + 1) // C.CSA_RATIO
+            n += sum(1 for j in range(-(-vis // 32)) if not 0 <= table[s, j] < CFG.num_blocks)
+    return n
+
+
+@SETTINGS
+@given(rows=token_rows(contiguous=False), seed=st.integers(0, 2**31 - 1))
+def test_indexer_drops_exactly_the_bad_rows(rows, seed):
+    """Bad slot, position outside [0, max_context) and a NaN/Inf in q or the
+    weights each make the row all -1 and count once; the other rows are those
+    of the call with the bad rows as padding."""
+    slot, pos, kind = rows
+    rng = np.random.default_rng(seed)
+    q, w = poison_rows([rng.normal(0, 1, (T, 64 * 128)), rng.normal(0, 1, (T, 64))], kind, rng)
+    q = jnp.asarray(q.reshape(T, 64, 128), jnp.bfloat16)
+    w = jnp.asarray(w, jnp.float32)
+    got_idx, got = _indexer(BASE, slot, pos, q, w)
+    want_idx, want = _indexer(BASE, padded(slot, kind, [2, 3, 5]), pos, q, w)
+    counts = expected_counts(kind, missing_counts=False)
+    missing = missing_blocks(slot, pos, kind)
+    if missing:
+        counts[K.MISSING_BLOCK] = missing
+    assert counts_delta(got, BASE) == counts
+    assert counts_delta(want, BASE) == ({K.MISSING_BLOCK: missing} if missing else {})
+    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
+    assert np.all(np.asarray(got_idx)[np.isin(kind, [1, 2, 3, 5])] == -1)
