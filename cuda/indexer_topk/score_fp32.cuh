@@ -12,6 +12,14 @@ namespace dsv4 {
 namespace indexer {
 namespace {  // internal linkage: see cuda/indexer_topk.cu
 
+// Token t's weights into ws[64] (threads 0-63); whether this thread's are finite.
+__device__ __forceinline__ bool LoadWeights(const IndexerTopkArgs& a, int64_t t, float* ws) {
+  if (threadIdx.x >= kIndexHeads) return true;
+  const float w = a.weights[t * kIndexHeads + threadIdx.x];
+  ws[threadIdx.x] = w;
+  return num::IsFinite(w);
+}
+
 // Grid (T, entry chunks of kScoreThreads): the token's q (as fp32) and
 // weights in shared memory (a token with a NaN or Inf in them leaves its row
 // alone: the select drops it); one thread per visible entry reads its key
@@ -39,11 +47,7 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(IndexerTopkArgs a) 
       qs[8 * v + 2 * e + 1] = num::BitsFloat(w4[e] & 0xffff0000u);
     }
   }
-  if (threadIdx.x < kIndexHeads) {
-    const float w = a.weights[t * kIndexHeads + threadIdx.x];
-    ws[threadIdx.x] = w;
-    finite &= num::IsFinite(w);
-  }
+  finite &= LoadWeights(a, t, ws);
   if (!__syncthreads_and(finite)) return;     // NONFINITE: the select drops the row
 
   const int64_t i = first + threadIdx.x;
@@ -130,11 +134,7 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernelSplit(IndexerTopkArg
       dst[2 * e + 1] = num::BitsFloat(w4[e] & 0xffff0000u);
     }
   }
-  if (threadIdx.x < kIndexHeads) {
-    const float w = a.weights[t * kIndexHeads + threadIdx.x];
-    ws[threadIdx.x] = w;
-    finite &= num::IsFinite(w);
-  }
+  finite &= LoadWeights(a, t, ws);
   if (!__syncthreads_and(finite)) return;     // NONFINITE: the select drops the row
 
   const int lane = threadIdx.x & 31;

@@ -86,9 +86,6 @@ __device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfra
   return make_float4(l4[0], l4[1], l4[2], l4[3]);
 }
 
-// A token with a NaN or Inf in q or its weights is found while its query is
-// rounded; the CTA then stops before it counts a missing block or scores a
-// key (the select drops the row and counts it once).
 // One CTA: one token, columns * tiles_per_warp tiles of consecutive entries;
 // the warps of column w take tiles w, w + columns, ..., each keeping
 // kStages - 1 of them in flight. One CTA of 16 warps a multiprocessor (128
@@ -101,6 +98,9 @@ __device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfra
 // copies the tile into its own ring) and warp 2p joins the halves, scores
 // per-block tiles alone and stores. A tile's latency is all such a grid
 // sees, and one half is about half of it. Else 16 columns of one warp.
+// A token with a NaN or Inf in q or its weights is found while its query is
+// rounded; the CTA then stops before it counts a missing block or scores a
+// key (the select drops the row and counts it once).
 template <bool kPairs>
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4(IndexerTopkArgs a,
                                                                                  int tiles_per_warp,
