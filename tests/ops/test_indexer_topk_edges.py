@@ -5,49 +5,19 @@ are checked against a float64 oracle of the score. The CUDA cases add grids
 that pick each score kernel (bf16: four lanes an entry on small grids, one
 thread an entry on large ones; mxfp4: pairs of warps or single warps) and a
 select spread over a cluster."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 import dsv4_jax as D
-from dsv4_jax import _ffi
 from dsv4_jax.errors import ErrorKind as EK
 
 from support import npq
-from support.marks import CUDA, requires_cpu_ffi
+from support.indexer import IMPLS, Q_FORMATS, make_state, queries
+from support.marks import CUDA
 
 LAYER = 3                        # a CSA layer of the tiny preset (SWA, CSA, HCA, CSA)
-needs_cpu_target = pytest.mark.skipif(not _ffi.has_target("cpu", "dsv4_indexer_topk"),
-                                      reason="dsv4_indexer_topk not built for the CPU")
-IMPLS = ["reference", pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
-         pytest.param("cuda", marks=CUDA)]
-Q_FORMATS = ["bf16", "mxfp4"]
-
-
-def keyed_state(rng, R, max_context, blocks):
-    """Tiny state with random MXFP4 indexer keys in every CSA block (scale
-    bytes near 127) and block table rows `blocks` (slot -> physical ids)."""
-    cfg = D.CacheConfig.tiny(max_requests=R, max_context=max_context)
-    st = D.init_state(cfg)
-    Lc, N = st.csa.index.packed.shape[:2]
-    packed = rng.integers(0, 256, (Lc, N, 32, 64), dtype=np.uint8)
-    scale = rng.integers(119, 132, (Lc, N, 32, 4), dtype=np.uint8)
-    bt = np.full((R, cfg.max_blocks_per_request), -1, np.int32)
-    for s, phys in blocks.items():
-        bt[s, :len(phys)] = phys
-    keys = D.IndexerKeys(jnp.asarray(packed), jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)))
-    return dataclasses.replace(st, block_table=jnp.asarray(bt),
-                               csa=dataclasses.replace(st.csa, index=keys))
-
-
-def queries(rng, T):
-    q = rng.standard_normal((T, 64, 128)).astype(ml_dtypes.bfloat16)
-    w = rng.standard_normal((T, 64)).astype(np.float32)
-    return q, w
 
 
 def run(st, slot, pos, q, w, k, impl, q_format):
@@ -103,7 +73,7 @@ def test_positions_at_and_past_max_context(impl, q_format):
     (where (pos + 1) // 4 would overflow int32) are BAD_POSITION, row -1,
     as for gather_topk, append and flush."""
     rng = np.random.default_rng(31)
-    st = keyed_state(rng, R=2, max_context=512, blocks={0: [3, 1, 0, 2]})
+    st = make_state(rng, R=2, max_context=512, blocks={0: [3, 1, 0, 2]})
     top = st.config.max_context
     slot = np.int32([0, 0, 0, 0])
     pos = np.int32([top - 1, top, 2 ** 31 - 1, 99])
@@ -172,7 +142,7 @@ def test_nonfinite_inputs_drop_the_token(impl, q_format):
     kernel in pairs of warps. Slot 3 has no blocks: its NaN token counts
     NONFINITE only, not MISSING_BLOCK."""
     rng = np.random.default_rng(5)
-    st = keyed_state(rng, R=4, max_context=512,
+    st = make_state(rng, R=4, max_context=512,
                      blocks={0: [0, 1, 2, 3], 1: [4, 5, 6, 7], 2: [8, 9, 10, 11]})
     check_poisoned(st, impl, q_format, T_good=6, k=24, seed=6)
 
@@ -186,7 +156,7 @@ def test_nonfinite_inputs_drop_the_token(impl, q_format):
 def test_nonfinite_inputs_drop_the_token_large_grids(impl, max_context, q_format):
     rng = np.random.default_rng(7)
     MB = max_context // 128
-    st = keyed_state(rng, R=4, max_context=max_context,
+    st = make_state(rng, R=4, max_context=max_context,
                      blocks={0: list(range(MB)), 1: list(range(MB, 2 * MB)),
                              2: list(range(2 * MB, 3 * MB))})
     check_poisoned(st, impl, q_format, T_good=16, k=64, seed=8)
