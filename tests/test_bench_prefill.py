@@ -47,18 +47,18 @@ def test_cli_run_reports_its_fields(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["copy_gbps"] == 100 and data["platform"] == "cpu"
     (row,) = data["rows"]
-    assert (row["scenario"], row["steps"], row["rows_per_step"], row["layers"]) == \
+    assert (row["scenario"], row["chunks"], row["rows_per_chunk"], row["layers"]) == \
         (SMOKE, 5, 128, 4)
     assert (row["impl"], row["write"], row["model"], row["errors"]) == ("cpu", "fused", "tiny", {})
     assert len(row["runs_ms"]) == 2 and row["ms_total"] == pytest.approx(np.median(row["runs_ms"]))
-    assert row["ms_per_step"] == pytest.approx(row["ms_total"] / 5)
+    assert row["ms_per_chunk"] == pytest.approx(row["ms_total"] / 5)
     nbytes = 640 * (4 * 1024 + 2 * 4 * (2 * 1024 + 2 * 256) + 4 * 2 * 512)
     assert row["read_bytes"] == nbytes
     assert row["GBps"] == pytest.approx(nbytes / row["ms_total"] / 1e6)
     assert row["copy_ms"] == pytest.approx(nbytes / 100e9 * 1e3)
     assert row["copy_pct"] == pytest.approx(100 * row["copy_ms"] / row["ms_total"])
     printed = capsys.readouterr().out
-    assert "warm-up step 5/5" in printed and "| 2x320/128 | 5 | fused | cpu |" in printed
+    assert "warm-up chunk 5/5" in printed and "| 2x320/128 | 5 | fused | cpu |" in printed
     assert prefill.main(["--markdown", str(out)]) == 0
     assert "| 2x320/128 | 5 | fused | cpu |" in capsys.readouterr().out
 
@@ -120,5 +120,6 @@ def test_gpu_run_reports_its_timeline(tmp_path, write):
                          "--device-timeline", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["errors"] == {} and row["copy_GBps"] > 0 and row["ms_total"] > 0
-    assert row["kernels_per_step"] >= 4 and 0 < row["busy_ms_per_step"] <= row["span_ms_per_step"]
+    assert row["kernels_per_chunk"] >= 4
+    assert row["busy_ms_per_chunk"] > 0 and row["span_ms_per_chunk"] > 0
     assert any(k["kind"] == "cache" for k in row["kernels"])

@@ -3,29 +3,29 @@ layer of a model, step by step, as a serving engine makes them.
 
     python -m dsv4_jax.bench.prefill --json prefill.json     # 1x65536/8192, 8x8192/8192
     python -m dsv4_jax.bench.prefill --scenarios 1x1024/256 --model tiny --impl cpu
-    python -m dsv4_jax.bench.prefill --device-timeline       # + busy time, kernels a step
+    python -m dsv4_jax.bench.prefill --device-timeline       # + busy time, kernels a chunk
     python -m dsv4_jax.bench.prefill --markdown prefill.json # a saved run's table
     python benchmarks/bench_prefill.py ...                   # the same, from a checkout
 
-Scenario BxP/C: B requests of a P-token prompt each, written C tokens a
-step. A step takes the next C tokens of the queue of prompts, request after
-request, as a serving engine with a token budget of C a step (chunked
-prefill) schedules them: 1x65536/8192 is 8 steps of 8k tokens of one
-request, 8x8192/8192 is 8 steps of one whole request each (as many rows a
-step, over 8 requests). A request is admitted in the step that schedules
+Scenario BxP/C: B requests of a P-token prompt each, written a chunk of C
+tokens a step. A step's chunk is the next C tokens of the queue of prompts,
+request after request, as a serving engine with a token budget of C a step
+(chunked prefill) schedules them: 1x65536/8192 is 8 chunks of 8k tokens of
+one request, 8x8192/8192 is 8 chunks of one whole request each (as many rows
+a chunk, over 8 requests). A request is admitted in the step that schedules
 its first token, so that step's apply_step resets its slot.
 
 A step is one jitted call, the state donated: apply_step (the step's new
 blocks and resets), then per layer write_layer (append + flush in one call;
 SWA layers: append alone), or, with --write separate, append then flush.
 The projections are random, and the same arrays serve every layer and every
-step (only positions differ); a CSA layer's at 8k rows (80 MB) exceed an
-H100's 50 MB L2, so little of them is served from cache.
+step (only positions differ); a CSA layer's projections at 8k rows (80 MB)
+exceed an H100's 50 MB L2, so little of them is served from cache.
 
 Timing: the metadata of every step of a run is built on the host first (the
 manager is plain Python). A warm-up run compiles and syncs after each step
-(printing its ms, the first with the compile); then `reps` runs of the whole
-prompt set, each synced once at its end; the median is reported. Each run
+(printing each chunk's ms, the first with the compile); then `reps` runs of
+all the prompts, each synced once at its end; the median is reported. Each run
 releases the last run's requests and admits new ones: it starts from reset
 slots and freshly scrubbed blocks, as a server's next prompts do.
 
@@ -38,7 +38,8 @@ write (window rows, entries, indexer keys, accumulators), the compressor
 parameters, the metadata, padding rows. It is set against the device's copy
 rate (bytes read + written a second, as BenchRun's copy reference measures
 it in the same run, unless --copy-gbps gives it): "ms at copy" is the time
-a copy of those bytes would take, a floor no cache write can beat.
+a copy of those bytes would take: about the floor of any cache write that
+reads them once.
 """
 from __future__ import annotations
 
@@ -235,10 +236,10 @@ def measure(cfg, scenario, *, impl="auto", write="fused", reps=3, seed=0, copy_g
     runs = PromptRuns(cfg, scenario)
     f = make_step(cfg, impl, write)
     x = step_inputs(runs.rows, seed)
-    steps = len(scenario.schedule())
+    chunks = len(scenario.schedule())
 
     def progress(i, ms):
-        emit(f"  {scenario.name} warm-up step {i + 1}/{steps}: {ms:.1f} ms"
+        emit(f"  {scenario.name} warm-up chunk {i + 1}/{chunks}: {ms:.1f} ms"
              + (" (compiling)" if i == 0 else ""))
     warm_s = runs.run(f, x, progress)
     times = []
@@ -249,30 +250,30 @@ def measure(cfg, scenario, *, impl="auto", write="fused", reps=3, seed=0, copy_g
     nbytes = read_bytes(cfg, scenario.requests * scenario.tokens)
     copy_ms = nbytes / (copy_gbps * 1e9) * 1e3
     row = {"scenario": scenario.name, "requests": scenario.requests, "tokens": scenario.tokens,
-           "chunk": scenario.chunk, "steps": steps, "rows_per_step": runs.rows,
+           "chunk": scenario.chunk, "chunks": chunks, "rows_per_chunk": runs.rows,
            "layers": cfg.num_layers, "model": cfg.model, "kv_format": cfg.kv_format,
            "impl": impl, "write": write, "warm_up_s": warm_s, "ms_total": ms,
-           "ms_per_step": ms / steps, "read_bytes": nbytes, "GBps": nbytes / ms / 1e6,
+           "ms_per_chunk": ms / chunks, "read_bytes": nbytes, "GBps": nbytes / ms / 1e6,
            "copy_GBps": copy_gbps, "copy_ms": copy_ms, "copy_pct": 100 * copy_ms / ms,
            "runs_ms": [t * 1e3 for t in times]}
     if timeline:
         events = kernel_events(lambda: runs.run(f, x))
         if events:
-            summary = timeline_summary(events, steps, cfg.num_layers)
-            row.update(busy_ms_per_step=summary["busy_us"] / 1e3,
-                       span_ms_per_step=summary["span_us"] / 1e3,
-                       kernels_per_step=summary["kernels_per_step"],
+            summary = timeline_summary(events, chunks, cfg.num_layers)
+            row.update(busy_ms_per_chunk=summary["busy_us"] / 1e3,
+                       span_ms_per_chunk=summary["span_us"] / 1e3,
+                       kernels_per_chunk=summary["kernels_per_step"],
                        kernels=summary["kernels"])
     row["errors"] = {k.name.lower(): n for k, n in error_counts(runs.state).items()}
     return row, runs
 
 
 # ---- report -----------------------------------------------------------------------------------
-COLUMNS = (("ms_total", "ms in all", ".1f"), ("ms_per_step", "ms/step", ".2f"),
+COLUMNS = (("ms_total", "ms in all", ".1f"), ("ms_per_chunk", "ms/chunk", ".2f"),
            ("read_bytes", "GB read", ".2f"), ("GBps", "GB/s", ".1f"),
            ("copy_ms", "ms at copy", ".2f"), ("copy_pct", "% of copy", ".1f"),
-           ("busy_ms_per_step", "busy ms/step", ".2f"),
-           ("kernels_per_step", "kernels/step", ".0f"))
+           ("busy_ms_per_chunk", "busy ms/chunk", ".2f"),
+           ("kernels_per_chunk", "kernels/chunk", ".0f"))
 
 
 def markdown(rows):
@@ -280,17 +281,17 @@ def markdown(rows):
     def cell(r, key, fmt):
         v = r.get(key)
         return "–" if v is None else format(v / 1e9 if key == "read_bytes" else v, fmt)
-    out = ["| scenario | steps | write | impl | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+    out = ["| scenario | chunks | write | impl | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
            "|---|---:|---|---|" + "---:|" * len(COLUMNS)]
     for r in rows:
         if "skipped" in r:
             out.append(f"| {r['scenario']} | skipped: {r['skipped']} |")
             continue
-        out.append(f"| {r['scenario']} | {r['steps']} | {r['write']} | {r['impl']} | "
+        out.append(f"| {r['scenario']} | {r['chunks']} | {r['write']} | {r['impl']} | "
                    + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |")
     for r in rows:
         if r.get("kernels"):
-            out += ["", f"{r['scenario']}, {r['write']}: busiest kernels a step", "",
+            out += ["", f"{r['scenario']}, {r['write']}: busiest kernels a chunk", "",
                     "| kernel | kind | count | ms | mean µs |", "|---|---|---:|---:|---:|"]
             out += [f"| {k['name']} | {k['kind']} | {k['count']:g} | {k['total_us'] / 1e3:.2f} "
                     f"| {k['mean_us']:.1f} |" for k in r["kernels"][:5]]
@@ -320,7 +321,7 @@ def main(argv=None):
                     help="the device's copy rate, bytes read + written a second (default: "
                          "measured in the run)")
     ap.add_argument("--device-timeline", action="store_true",
-                    help="also trace one more run on the GPU: busy ms and kernels a step")
+                    help="also trace one more run on the GPU: busy ms and kernels a chunk")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write the rows here")
     ap.add_argument("--markdown", metavar="JSON", help="print a saved run's table and exit")
@@ -352,7 +353,7 @@ def main(argv=None):
                          emit=emit)
         rows.append(row)
         emit(f"{sc.name}: {row['ms_total']:.1f} ms in all, "
-             f"{row['ms_per_step']:.2f} ms a step, {row['GBps']:.0f} GB/s read "
+             f"{row['ms_per_chunk']:.2f} ms a chunk, {row['GBps']:.0f} GB/s read "
              f"({row['copy_pct']:.1f} % of copy)"
              + (f", ERROR COUNTS {row['errors']} (the workload is not valid)"
                 if row["errors"] else ""))
