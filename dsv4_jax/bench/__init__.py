@@ -10,6 +10,8 @@ model_step_bench.py  the V4-Flash decode step as a model runs it, per batch and
                 benchmarks/bench_decode_step.py); the suite runs its step too
   model_step.py   the step (indexer included, every layer's reads consumed), timed
   filled_state.py the full random valid state it runs on
+prefill.py      long prompts' cache writes through every layer, step by step
+                (`python -m dsv4_jax.bench.prefill`, benchmarks/bench_prefill.py)
 indexer.py      indexer_topk on the GPU (`python -m dsv4_jax.bench.indexer`,
                 benchmarks/indexer.py)
 append_vs_original.py  append against the original PyTorch kernel
