@@ -104,10 +104,24 @@ def run_sharded(fn: Callable, state: CacheState, sharded: Sequence, replicated: 
     def body(st, *args):
         return _with_config(fn(_with_config(st, local), *args), cfg)
 
-    return jax.shard_map(
-        body, mesh=_context_mesh(cfg),
-        in_specs=(sspec, *([P(axis)] * len(sharded)), *([P()] * len(replicated))),
-        out_specs=outs, check_vma=False)(state, *sharded, *replicated)
+    mesh = _context_mesh(cfg)
+    in_specs = (sspec, *([P(axis)] * len(sharded)), *([P()] * len(replicated)))
+    args = (state, *sharded, *replicated)
+    if _explicit(mesh):
+        # Under explicit axes (jax.make_mesh's default) shard_map takes only
+        # operands already laid out as in_specs says; host-built metadata and
+        # projections usually are not, so they are placed here.
+        args = jax.tree_util.tree_map(
+            lambda spec, x: jax.reshard(x, spec), in_specs, args,
+            is_leaf=lambda x: isinstance(x, P))
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=outs,
+                         check_vma=False)(*args)
+
+
+def _explicit(mesh) -> bool:
+    """Whether any axis of `mesh` is of the Explicit type."""
+    types = getattr(mesh, "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 class ShardedCacheManager:

@@ -3,7 +3,7 @@ collectives, in place; per-shard managers."""
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from dsv4_jax import CacheConfig, CacheFullError, CacheManager, apply_step, init_state
 from dsv4_jax.sharding import ShardedCacheManager, init_sharded_state, shard_config
@@ -14,10 +14,15 @@ from support.trees import assert_trees_bytes_equal
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 
 
-def mesh_of(n):
+def mesh_of(n, explicit=False):
+    """A 1-D mesh "data" of n devices; `explicit`: built as jax.make_mesh
+    builds it by default, its axis of the Explicit type."""
     devices = jax.devices()   # the default backend's: 4 CPU devices in CI, the GPUs on a GPU host
     if len(devices) < n:
         pytest.skip(f"needs {n} devices")
+    if explicit:
+        return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,),
+                             devices=devices[:n])
     return Mesh(np.array(devices[:n]), ("data",))
 
 
@@ -100,14 +105,16 @@ def test_admission_balances_shards():
         shard_config(CacheConfig.tiny(max_requests=6), mesh, "data")
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_sharded_workload_equals_each_shard_run_alone(n):
+@pytest.mark.parametrize("n,explicit", [(2, False), (4, False), (2, True)])
+def test_sharded_workload_equals_each_shard_run_alone(n, explicit):
     """apply_step + append + flush on every layer, then every gather, on n
     shards (CPU devices in CI, GPUs on a multi-GPU machine); each shard's
     slice equals the same requests run unsharded, the compiled step has no
-    collectives and keeps the pools in place."""
+    collectives and keeps the pools in place. `explicit`: on a mesh of
+    jax.make_mesh's default (Explicit) axis type, whose shard_map takes only
+    operands already laid out as its specs say."""
     from dsv4_jax.workload import layer_params, read_step, step_inputs, write_step
-    mesh = mesh_of(n)
+    mesh = mesh_of(n, explicit)
     cfg = shard_config(CacheConfig.tiny(max_requests=8, num_blocks=32), mesh, "data")
     local = cfg.local()
     params = layer_params(cfg, seed=3)
