@@ -21,9 +21,9 @@ from dsv4_jax.workload import layer_params
 from support.flush_rule import check_flush
 from support.harness import (FlipStats, assert_accumulators_close, compare_index, compare_kv,
                              raw)
+from support.marks import CUDA, every_impl
 from support.trees import assert_trees_bytes_equal, poison
 
-pytestmark = pytest.mark.usefixtures("impl_under_test")
 
 CFG = D.CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=16)
 MAXCTX = CFG.max_context
@@ -111,6 +111,7 @@ def closed_windows(out, s):
     return [w for slot, w, _, _ in out.closed if slot == s]
 
 
+@every_impl
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_dropped_closing_token_in_the_middle_of_a_call(kind):
     _, _, m = KINDS[kind]
@@ -125,6 +126,7 @@ def test_dropped_closing_token_in_the_middle_of_a_call(kind):
     assert closed_windows(out, 0) == [0, 1] and closed_windows(out, 2) == [0]
 
 
+@every_impl
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_dropped_closing_token_as_last_then_first_row(kind):
     """Call 1 ends on a dropped closing token, call 2 starts on a dropped
@@ -142,6 +144,7 @@ def test_dropped_closing_token_as_last_then_first_row(kind):
     assert closed_windows(out, 0) == [] and out.counts == {}
 
 
+@every_impl
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_window_of_carried_data_closed_by_a_dropped_token(kind):
     """A lone dropped row at a window's last position closes that window
@@ -157,6 +160,7 @@ def test_window_of_carried_data_closed_by_a_dropped_token(kind):
     assert all(np.abs(v[0]).max() > 0 for _, _, _, v in out.closed)
 
 
+@every_impl
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_rows_off_their_expected_position(kind):
     """A jump, a repeat and a step back, each BAD_POSITION, in interleaved
@@ -180,6 +184,7 @@ def test_rows_off_their_expected_position(kind):
         assert closed_windows(out, 3) == []
 
 
+@every_impl
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 def test_positions_before_zero_and_past_max_context(kind):
     _, _, m = KINDS[kind]
@@ -245,3 +250,50 @@ def test_chunkings_agree_with_dropped_tokens(kind, impl_under_test):
             assert_states_agree_to_rounding(states[name], states["whole"], name)
         else:
             assert_trees_bytes_equal(states[name], states["whole"], name)
+
+
+# ---- CUDA against the CPU handler, byte for byte ------------------------------------------
+def _rule_calls(kind):
+    """Calls that exercise every part of the rule at once: interleaved
+    requests with dropped closing tokens, a request off its expected
+    positions, one starting before 0, one running past max_context."""
+    _, _, m = KINDS[kind]
+    rng = np.random.default_rng(17)
+    calls = []
+    for c in range(3):
+        base = c * (m + 3)
+        queues = [[(0, base + p, (base + p) % m == m - 1 and p % 2 == 0) for p in range(m + 3)],
+                  [(1, base + p + (2 if p == 3 else 0), False) for p in range(m + 3)],
+                  [(2, base - 2 + p, p == 0) for p in range(m + 3)],
+                  [(3, MAXCTX - 2 * m + base + p, p == m - 1) for p in range(m + 3)]]
+        tags = rng.permutation(np.repeat(np.arange(4), m + 3))
+        calls.append([queues[s].pop(0) for s in tags])
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=CUDA)])
+@pytest.mark.parametrize("entry", ["flush", "write_layer"])
+def test_cuda_matches_cpu_under_the_rule(kind, mark, entry):
+    """The CUDA walk (flush's kernel and write_layer's flush role) and the
+    CPU handler leave the same bytes, call after call."""
+    layer = KINDS[kind][0]
+    data = stream_inputs(kind)
+    outs = {}
+    for impl in ("cuda", "cpu"):
+        dev = jax.devices(impl)[0]
+        p = jax.device_put(PARAMS[layer], dev)
+        st = jax.device_put(start_state(carried=True), dev)
+        for rows in _rule_calls(kind):
+            slot, pos, arrays = call_rows(rows, kind, data)
+            meta = jax.device_put(D.StepMeta.build(
+                token_slot=slot, token_pos=pos, lengths=np.zeros(CFG.max_requests, np.int32)), dev)
+            x = [jax.device_put(jnp.asarray(a), dev) for a in arrays]
+            extra = dict(index_kv=x[2], index_score=x[3]) if kind == "csa" else {}
+            if entry == "flush":
+                st = D.flush(st, layer, meta, x[0], x[1], p, impl=impl, **extra)
+            else:
+                win = jax.device_put(jnp.zeros((T, 512), jnp.bfloat16), dev)
+                st = D.write_layer(st, layer, meta, win, x[0], x[1], p, impl=impl, **extra)
+        outs[impl] = jax.device_get(st)
+    assert_trees_bytes_equal(outs["cuda"], outs["cpu"], f"{kind} {entry}: ")
