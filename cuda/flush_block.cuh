@@ -7,12 +7,13 @@
 // first row). That block folds the request's tokens in row order, exactly
 // the host's order, with one thread per channel holding that channel's
 // online-softmax accumulators in registers (threads 0..127 also the
-// indexer's). A token that closes a window runs the epilogue across the
-// block (shared memory for RMSNorm's ordered partial sums, RoPE pairs and
-// the Hadamard butterflies) and one warp stores the entry. The gating is the
-// host's: window w closes at the token of position (w+1)m - 1. Dropped
-// tokens are counted once each, by the block that owns the row (bad slot) or
-// the request (bad position, missing block).
+// indexer's). The gating is the host's (ffi/flush.h): the k-th row of the
+// request has the expected position p0 + k, and the row whose expected
+// position ends window w closes it, dropped or not. A closing row runs the
+// epilogue across the block (shared memory for RMSNorm's ordered partial
+// sums, RoPE pairs and the Hadamard butterflies) and one warp stores the
+// entry. Dropped rows are counted once each, by the block that owns the row
+// (bad slot) or the request (bad position, missing block, NaN/Inf).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,6 +30,7 @@ struct FlushShared {
   float x[kHeadDim];    // main entry under its epilogue
   float ix[kIndexDim];  // indexer key under its epilogue
   float ss[2];          // sums of squares (main, index)
+  int next_row;         // offset of the request's next row within a searched span
 };
 
 // The epilogue of docs/design.md §3 on a d-channel row held one channel per thread
@@ -116,11 +118,13 @@ __device__ inline void StoreIndexKey(const FlushArgs& a, int64_t e, float* ix) {
   __syncthreads();
 }
 
-// One token's operands for one thread's channel(s), loaded ahead of use:
+// One row's operands for one thread's channel(s), loaded ahead of use:
 // score, ape and kv of the half folded into `cur` (b) and into `nxt` (a),
-// main and indexer; the token's position, block and error (or -1).
+// main and indexer; the row's expected position, whether it gates, the block
+// of its window (-1 if missing) and its error (or -1; NaN/Inf decided later).
 struct TokenIn {
-  int64_t p = 0, block = -1;
+  int64_t ep = 0, block = -1;
+  bool gates = false;
   int err = -1;
   float sb = 0.f, ab = 0.f, vb = 0.f, sa = 0.f, aa = 0.f, va = 0.f;
   float isb = 0.f, iab = 0.f, ivb = 0.f, isa = 0.f, iaa = 0.f, iva = 0.f;
@@ -139,7 +143,8 @@ struct Acc3 {
   }
 };
 
-// Walks the tokens of request slot s from row t0 on, in row order.
+// Walks the rows of request slot s from its first row t0 on, in row order,
+// under the rule of ffi/flush.h (expected positions p0 + k).
 template <bool kCsa>
 __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0, FlushShared& sh) {
   const int c = threadIdx.x;
@@ -162,26 +167,43 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     icur = icur_row.Load(c);
     inxt = inxt_row.Load(c);
   }
-  // Software pipeline: the next token of this request is found and its
-  // inputs loaded (addresses always in bounds) before the current token is
-  // folded, so the chain slot -> pos -> block table -> projections is not
-  // paid in full per token. The order of the folds is unchanged.
-  auto next_row = [&](int64_t from) {
-    while (from < a.T && __ldg(a.slot + from) != s) ++from;
-    return from;
-  };
-  auto load = [&](int64_t t) {
-    TokenIn in;
-    in.p = __ldg(a.pos + t);
-    in.err = -1;
-    in.block = -1;
-    if (in.p < 0 || in.p >= a.max_context || in.p / kBlockTokens >= a.MB) {
-      in.err = kBadPosition;
-    } else {
-      in.block = __ldg(a.block_table + s * a.MB + in.p / kBlockTokens);
-      if (in.block < 0 || in.block >= a.N) in.err = kMissingBlock;
+  // Software pipeline: the next row of this request is found and its
+  // inputs loaded (addresses always in bounds) before the current row is
+  // folded, so the chain slot -> block table -> projections is not paid in
+  // full per row. The order of the folds is unchanged.
+  //
+  // The next row of s from row `from` on (T if none); block-uniform. A
+  // request's rows usually follow each other; otherwise the block searches
+  // blockDim.x rows a step, so the search past the request's last row costs
+  // (T - t) / blockDim.x steps rather than T - t loads per thread.
+  auto next_row = [&](int64_t from) -> int64_t {
+    if (from >= a.T || __ldg(a.slot + from) == s) return from;
+    for (int64_t base = from + 1; base < a.T; base += blockDim.x) {
+      if (c == 0) sh.next_row = static_cast<int>(blockDim.x);
+      const int64_t i = base + c;
+      const bool hit = i < a.T && __ldg(a.slot + i) == s;
+      if (!__syncthreads_or(hit)) continue;
+      if (hit) atomicMin(&sh.next_row, c);
+      __syncthreads();
+      const int64_t found = base + sh.next_row;
+      __syncthreads();  // read before a later search resets it
+      return found;
     }
-    const int64_t pm = in.p >= 0 ? in.p % m : 0;
+    return a.T;
+  };
+  const int64_t limit = GatingLimit(a.max_context, a.MB);
+  auto load = [&](int64_t t, int64_t ep) {
+    TokenIn in;
+    in.ep = ep;
+    in.gates = Gates(ep, limit);
+    in.err = kBadPosition;
+    in.block = -1;
+    if (in.gates) {
+      const int64_t block = __ldg(a.block_table + s * a.MB + ep / kBlockTokens);
+      in.err = GatedRowError(__ldg(a.pos + t), ep, block, a.N);
+      if (block >= 0 && block < a.N) in.block = block;
+    }
+    const int64_t pm = in.gates ? ep % m : 0;
     const float* kv = mv.kv + t * mw;
     const float* sc = mv.score + t * mw;
     const float* ape = mv.ape + pm * mw;
@@ -208,59 +230,66 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     return in;
   };
   bool touched = false;
-  int64_t t = next_row(t0);
-  TokenIn in = load(t);  // t0 is a row of s, so t < T
+  int64_t t = t0;  // t0 is the first row of s
+  TokenIn in = load(t, static_cast<int64_t>(__ldg(a.pos + t0)));
   while (t < a.T) {
     const int64_t tn = next_row(t + 1);
     TokenIn nin;
-    if (tn < a.T) nin = load(tn);
+    if (tn < a.T) nin = load(tn, in.ep + 1);
     const TokenIn cin = in;
     t = tn;
     in = nin;
-    if (cin.err >= 0) {
-      if (c == 0) atomicAdd(&a.errors[cin.err], 1);
-      continue;
-    }
-    // NaN/Inf anywhere in the token's inputs drops it: each thread checks the
-    // channels it loaded, the block decides together (cin.err is uniform).
-    bool bad = !(num::IsFinite(cin.sb) && num::IsFinite(cin.vb));
-    if (kCsa) bad = bad || !(num::IsFinite(cin.sa) && num::IsFinite(cin.va));
-    if (ich) {
-      bad = bad || !(num::IsFinite(cin.isb) && num::IsFinite(cin.ivb) &&
-                     num::IsFinite(cin.isa) && num::IsFinite(cin.iva));
-    }
-    if (__syncthreads_or(bad)) {
-      if (c == 0) atomicAdd(&a.errors[kNonfinite], 1);
+    if (!cin.gates) {  // expected position outside [0, max_context): nothing to close
+      if (c == 0) atomicAdd(&a.errors[kBadPosition], 1);
       continue;
     }
     touched = true;
-    const int64_t p = cin.p, block = cin.block;
-    const int64_t w = p / m;
-    const bool closes = p % m == m - 1;
-    cur = num::AccumulateAcc(cur, cin.sb + cin.ab, cin.vb);
-    if (kCsa) nxt = num::AccumulateAcc(nxt, cin.sa + cin.aa, cin.va);
-    if (ich) {
-      icur = num::AccumulateAcc(icur, cin.isb + cin.iab, cin.ivb);
-      inxt = num::AccumulateAcc(inxt, cin.isa + cin.iaa, cin.iva);
+    bool fold = cin.err < 0;
+    if (!fold) {
+      if (c == 0) atomicAdd(&a.errors[cin.err], 1);
+    } else {
+      // NaN/Inf anywhere in the row's inputs drops it: each thread checks the
+      // channels it loaded, the block decides together (cin.err is uniform).
+      bool bad = !(num::IsFinite(cin.sb) && num::IsFinite(cin.vb));
+      if (kCsa) bad = bad || !(num::IsFinite(cin.sa) && num::IsFinite(cin.va));
+      if (ich) {
+        bad = bad || !(num::IsFinite(cin.isb) && num::IsFinite(cin.ivb) &&
+                       num::IsFinite(cin.isa) && num::IsFinite(cin.iva));
+      }
+      if (__syncthreads_or(bad)) {
+        if (c == 0) atomicAdd(&a.errors[kNonfinite], 1);
+        fold = false;
+      }
     }
-    if (!closes) continue;
-    const int64_t e = (l * a.N + block) * a.per_block + w % a.per_block;
+    if (fold) {
+      cur = num::AccumulateAcc(cur, cin.sb + cin.ab, cin.vb);
+      if (kCsa) nxt = num::AccumulateAcc(nxt, cin.sa + cin.aa, cin.va);
+      if (ich) {
+        icur = num::AccumulateAcc(icur, cin.isb + cin.iab, cin.ivb);
+        inxt = num::AccumulateAcc(inxt, cin.isa + cin.iaa, cin.iva);
+      }
+    }
+    if (cin.ep % m != m - 1) continue;
+    // The row's expected position ends window w: it closes, dropped row or not.
+    const int64_t w = cin.ep / m;
     const float pooled = num::FinalizeAcc(cur);
+    float ipooled = 0.f;
     if (kCsa) {
       cur = nxt;
       nxt = num::EmptyAcc();
     } else {
       cur = num::EmptyAcc();
     }
+    if (ich) {
+      ipooled = num::FinalizeAcc(icur);
+      icur = inxt;
+      inxt = num::EmptyAcc();
+    }
+    if (cin.block < 0) continue;  // no block to store the entry in (block-uniform)
+    const int64_t e = (l * a.N + cin.block) * a.per_block + w % a.per_block;
     BlockEpilogue(pooled, kHeadDim, mv.norm, mv.inv_freq, w * m, sh.x, &sh.ss[0]);
     StoreEntry(a.pool, e, sh.x);
     if (kCsa) {
-      float ipooled = 0.f;
-      if (ich) {
-        ipooled = num::FinalizeAcc(icur);
-        icur = inxt;
-        inxt = num::EmptyAcc();
-      }
       BlockEpilogue(ipooled, kIndexDim, a.index.norm, a.index.inv_freq, w * m, sh.ix, &sh.ss[1]);
       StoreIndexKey(a, e, sh.ix);  // ends with a barrier
     } else {

@@ -9,8 +9,16 @@
 // A = 1. A token at position p (window w = p / m) adds, per channel c,
 //   CSA: (z[d + c], kv[d + c]) to current and (z[c], kv[c]) to next,
 //   HCA: (z[c], kv[c]) to its accumulator,
-// with z = score + ape[p mod m]. The token at p = (w+1)m - 1 closes window w:
-// current is finalized into entry w, then current <- next, next <- empty.
+// with z = score + ape[p mod m].
+//
+// Gating (docs/design.md §3, "Order of a request's tokens"): the k-th row of
+// request s in the call (k = 0, 1, ...; rows of other requests may sit in
+// between) has the expected position ep = p0 + k, p0 the position of its
+// first row. A row is dropped if its position is not ep (BAD_POSITION), and
+// the window w closes at the row whose ep is (w+1)m - 1 (in [0, max_context))
+// whether or not that row is dropped: current is finalized into entry w
+// (0 if empty), then current <- next, next <- empty. So a dropped token
+// removes only its own contribution.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +51,28 @@ DSV4_HD void IndexKeyEpilogue(float* x, const float* norm, const float* inv_freq
   EntryEpilogue(x, kIndexDim, norm, inv_freq, pos);
   num::Hadamard128(x);
   for (int c = 0; c < kIndexDim; ++c) x[c] = num::RoundBf16(x[c]);
+}
+
+// ---- the per-row rule of one request (shared with the CUDA kernels) ---------------
+// Positions a window can close at: [0, max_context), and never past the block
+// table (a handler may be given a max_context beyond MB blocks).
+DSV4_HD int64_t GatingLimit(int64_t max_context, int64_t MB) {
+  return max_context < MB * kBlockTokens ? max_context : MB * kBlockTokens;
+}
+
+// Whether expected position ep gates its window (closes it at its end, folds
+// the row if the row is good). A row at an expected position outside it is
+// BAD_POSITION whatever its own position.
+DSV4_HD bool Gates(int64_t ep, int64_t limit) { return ep >= 0 && ep < limit; }
+
+// The drop verdict of a row at a gating expected position ep, before its
+// inputs are read: BAD_POSITION if its position is not ep, MISSING_BLOCK if
+// `block` (block_table[s, ep / 128], also the block its window is stored in)
+// is outside [0, N), else -1 (NONFINITE is decided on the inputs).
+DSV4_HD int GatedRowError(int64_t pos, int64_t ep, int64_t block, int64_t N) {
+  if (pos != ep) return kBadPosition;
+  if (block < 0 || block >= N) return kMissingBlock;
+  return -1;
 }
 
 // ---- operands ------------------------------------------------------------------------

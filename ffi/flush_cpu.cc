@@ -1,6 +1,10 @@
 // CPU handlers of flush for CSA and HCA layers (operands and semantics in
-// flush.h). Tokens are folded one at a time in row order, which is the order
-// of each request's positions (they come increasing and contiguous).
+// flush.h). One pass over the rows in row order; each request keeps a row
+// counter, which gives every row its expected position (flush.h), so a
+// request's tokens fold in row order and its windows close at their expected
+// last positions, dropped or not.
+#include <vector>
+
 #include "flush.h"
 #include "handlers_cpu.h"
 #include "host_writes.h"
@@ -41,20 +45,19 @@ void SetEmpty(float* acc, int d) {
   }
 }
 
-// CSA: b half into current, a half into next; at the window's last token the
-// current accumulator becomes entry w and next moves up. Returns whether the
-// window closed; the pooled value is then in `pooled`.
-bool FoldCsa(const CompressorView& v, int64_t R, int64_t l, int64_t s, int64_t t, int64_t p,
-             float* pooled) {
+// CSA: b half of token t (if it is folded) into current, a half into next.
+void FoldCsa(const CompressorView& v, int64_t R, int64_t l, int64_t s, int64_t t, int64_t p) {
+  Fold(AccRow(v, R, l, s, 0), v, t, p, v.d);
+  Fold(AccRow(v, R, l, s, 1), v, t, p, 0);
+}
+
+// CSA window close: current becomes the pooled entry, next moves up.
+void CloseCsa(const CompressorView& v, int64_t R, int64_t l, int64_t s, float* pooled) {
   float* cur = AccRow(v, R, l, s, 0);
   float* next = AccRow(v, R, l, s, 1);
-  Fold(cur, v, t, p, v.d);
-  Fold(next, v, t, p, 0);
-  if (p % v.m != v.m - 1) return false;
   Finalize(cur, v.d, pooled);
   for (int64_t i = 0; i < 3 * int64_t{v.d}; ++i) cur[i] = next[i];
   SetEmpty(next, v.d);
-  return true;
 }
 
 bool TokenInputsFinite(const CompressorView& v, int64_t t) {
@@ -62,44 +65,74 @@ bool TokenInputsFinite(const CompressorView& v, int64_t t) {
   return num::RowIsFinite(v.kv + t * w, w) && num::RowIsFinite(v.score + t * w, w);
 }
 
-// Drops a bad token (counting it); returns the physical block of its position.
-int64_t TokenBlock(const FlushArgs& a, int64_t t) {
-  int64_t s = a.slot[t], p = a.pos[t];
-  if (s == -1) return -1;
+// One row of a request at its expected position: what the walk does with it.
+struct RowStep {
+  int64_t s = -1, ep = 0;
+  bool fold = false;    // the row's inputs are folded
+  bool closes = false;  // its expected position ends window ep / m
+  int64_t block = -1;   // block of window ep / m, -1 when missing
+};
+
+// Per-request row counters of one call: the expected position of each row.
+class ExpectedPositions {
+ public:
+  explicit ExpectedPositions(int64_t R) : rows_(R, 0), p0_(R, 0) {}
+  int64_t Next(int64_t s, int64_t pos) {
+    if (rows_[s] == 0) p0_[s] = pos;
+    return p0_[s] + rows_[s]++;
+  }
+
+ private:
+  std::vector<int64_t> rows_, p0_;
+};
+
+// Applies the per-row rules of flush.h to row t, counting a dropped row once.
+RowStep StepRow(const FlushArgs& a, ExpectedPositions& expected, int64_t limit, int64_t m,
+                int64_t t) {
+  RowStep r;
+  const int64_t s = a.slot[t], p = a.pos[t];
+  if (s == -1) return r;
   if (s < 0 || s >= a.R) {
     ++a.errors[kBadSlot];
-    return -1;
+    return r;
   }
-  if (p < 0 || p >= a.max_context || p / kBlockTokens >= a.MB) {
+  r.ep = expected.Next(s, p);
+  if (!Gates(r.ep, limit)) {
     ++a.errors[kBadPosition];
-    return -1;
+    return r;
   }
-  int64_t block = a.block_table[s * a.MB + p / kBlockTokens];
-  if (block < 0 || block >= a.N) {
-    ++a.errors[kMissingBlock];
-    return -1;
-  }
-  if (!TokenInputsFinite(a.main, t) || (a.csa && !TokenInputsFinite(a.index, t))) {
-    ++a.errors[kNonfinite];
-    return -1;
-  }
-  return block;
+  r.s = s;
+  r.closes = r.ep % m == m - 1;
+  const int64_t block = a.block_table[s * a.MB + r.ep / kBlockTokens];
+  int err = GatedRowError(p, r.ep, block, a.N);
+  if (err < 0 && !(TokenInputsFinite(a.main, t) && (!a.csa || TokenInputsFinite(a.index, t))))
+    err = kNonfinite;
+  if (err >= 0) ++a.errors[err];
+  r.fold = err < 0;
+  r.block = block >= 0 && block < a.N ? block : -1;
+  return r;
 }
 
 }  // namespace
 
 void FlushCsaOnHost(const FlushArgs& a, int64_t l) {
   float pooled[kHeadDim], ikey[kIndexDim];
+  ExpectedPositions expected(a.R);
+  const int64_t limit = GatingLimit(a.max_context, a.MB);
   for (int64_t t = 0; t < a.T; ++t) {
-    int64_t block = TokenBlock(a, t);
-    if (block < 0) continue;
-    int64_t s = a.slot[t], p = a.pos[t];
-    bool closed = FoldCsa(a.main, a.R, l, s, t, p, pooled);
-    FoldCsa(a.index, a.R, l, s, t, p, ikey);
-    if (!closed) continue;
-    int64_t w = p / kCsaRatio;
-    // The window's tokens all lie in `block` (m divides the block size).
-    int64_t e = (l * a.N + block) * a.per_block + w % a.per_block;
+    const RowStep r = StepRow(a, expected, limit, kCsaRatio, t);
+    if (r.s < 0) continue;
+    if (r.fold) {
+      FoldCsa(a.main, a.R, l, r.s, t, r.ep);
+      FoldCsa(a.index, a.R, l, r.s, t, r.ep);
+    }
+    if (!r.closes) continue;
+    CloseCsa(a.main, a.R, l, r.s, pooled);
+    CloseCsa(a.index, a.R, l, r.s, ikey);
+    if (r.block < 0) continue;
+    const int64_t w = r.ep / kCsaRatio;
+    // The window's positions all lie in `block` (m divides the block size).
+    const int64_t e = (l * a.N + r.block) * a.per_block + w % a.per_block;
     EntryEpilogue(pooled, kHeadDim, a.main.norm, a.main.inv_freq, w * kCsaRatio);
     EncodeEntry(a.pool, e, pooled);
     IndexKeyEpilogue(ikey, a.index.norm, a.index.inv_freq, w * kCsaRatio);
@@ -109,18 +142,20 @@ void FlushCsaOnHost(const FlushArgs& a, int64_t l) {
 
 void FlushHcaOnHost(const FlushArgs& a, int64_t l) {
   float pooled[kHeadDim];
+  ExpectedPositions expected(a.R);
+  const int64_t limit = GatingLimit(a.max_context, a.MB);
   for (int64_t t = 0; t < a.T; ++t) {
-    int64_t block = TokenBlock(a, t);
-    if (block < 0) continue;
-    int64_t s = a.slot[t], p = a.pos[t];
-    float* acc = AccRow(a.main, a.R, l, s, 0);
-    Fold(acc, a.main, t, p, 0);
-    if (p % kHcaRatio != kHcaRatio - 1) continue;
+    const RowStep r = StepRow(a, expected, limit, kHcaRatio, t);
+    if (r.s < 0) continue;
+    float* acc = AccRow(a.main, a.R, l, r.s, 0);
+    if (r.fold) Fold(acc, a.main, t, r.ep, 0);
+    if (!r.closes) continue;
     Finalize(acc, kHeadDim, pooled);
     SetEmpty(acc, kHeadDim);
-    int64_t w = p / kHcaRatio;
+    if (r.block < 0) continue;
+    const int64_t w = r.ep / kHcaRatio;
     EntryEpilogue(pooled, kHeadDim, a.main.norm, a.main.inv_freq, w * kHcaRatio);
-    EncodeEntry(a.pool, (l * a.N + block) * a.per_block, pooled);
+    EncodeEntry(a.pool, (l * a.N + r.block) * a.per_block, pooled);
   }
 }
 

@@ -22,12 +22,22 @@ FFI targets (operands in this order):
          then the aliased: hca.comp f32[Lh, R, 1, 3, 512], errors i32[8],
          hca.kv.nope, hca.kv.rope[, hca.kv.scale]
   rets   the aliased buffers, same order.
-Per token: slot -1 padding; bad slot -> BAD_SLOT; pos < 0 or >= max_context ->
-BAD_POSITION; block_table[slot, pos // 128] outside [0, N) -> MISSING_BLOCK;
-NaN or Inf in the token's kv or score row (CSA: also index_kv/index_score) ->
-NONFINITE; such tokens are dropped (not folded), counted under the first rule
-they break, in that order. Each request's tokens must come in
-increasing contiguous positions across calls (what CacheManager produces).
+Expected positions: the k-th row of a request slot in the call (k = 0, 1,
+...; other requests' rows may sit in between) has ep = p0 + k, p0 the
+position of the slot's first row whatever its value.
+Per token: slot -1 padding; bad slot -> BAD_SLOT; pos != ep, or pos < 0 or
+>= max_context -> BAD_POSITION; block_table[slot, pos // 128] outside [0, N)
+-> MISSING_BLOCK; NaN or Inf in the token's kv or score row (CSA: also
+index_kv/index_score) -> NONFINITE; such tokens are dropped (not folded),
+counted under the first rule they break, in that order.
+Windows: with f = max(p0, 0) and L = min(p0 + n - 1, max_context - 1) for a
+request of n rows, window w closes iff f <= (w+1)m - 1 <= L, whether or not
+the row at that position was dropped: its entry pools what it holds (0 if
+nothing) and is stored if block_table[slot, w*m // 128] is in [0, N). The
+accumulators carried in are windows f // m (+1), those carried out windows
+(L+1) // m (+1). So a dropped token removes only its own contribution.
+Each request's tokens must continue across calls at its next position (what
+CacheManager produces); that is not checked, the state holds no position.
 """
 from __future__ import annotations
 
@@ -151,8 +161,13 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
     writes each entry the step closes (CSA: one per 4 positions, HCA: one per
     128) into the paged pool, quantized to the kv_format; CSA layers also
     write the entry's MXFP4 indexer key. Each request's tokens must come in
-    increasing, contiguous positions across calls (what CacheManager
-    produces). Dropped and counted (the token is not folded): BAD_SLOT,
+    increasing, contiguous positions, within a call (rows of one request in
+    row order, other requests' rows in between allowed) and across calls
+    (what CacheManager produces). The k-th row of a request in the call is
+    expected at position p0 + k (p0: its first row's); a row elsewhere is
+    BAD_POSITION. A window closes at the row expected at its last position,
+    even when that row is dropped, so a dropped token removes only its own
+    contribution. Dropped and counted (the token is not folded): BAD_SLOT,
     BAD_POSITION, MISSING_BLOCK, NONFINITE (NaN or Inf in the token's rows),
     BAD_LAYER."""
     warn_if_eager(state, "flush")

@@ -80,7 +80,10 @@ def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
     [T, coff*512] (coff 2 for CSA, 1 for HCA); CSA layers also take the
     indexer's `index_kv`, `index_score` [T, 256] and `params.index`. A traced
     `layer` with no compressor operands is an append; with them, its kind is
-    read off the width of comp_kv (as flush does)."""
+    read off the width of comp_kv (as flush does). The compressor part
+    follows flush's rule for a request's rows: the k-th is expected at its
+    first row's position + k (else BAD_POSITION), and a window closes at the
+    row expected at its last position, dropped or not."""
     check_append_args(state, meta, kv)
     cfg = state.config
     compressed = any(x is not None for x in (comp_kv, comp_score, params, index_kv, index_score))

@@ -4,27 +4,34 @@ Accumulators. Each compressed entry is a per-channel softmax pool, kept as an
 online softmax (max M, sum S, weighted kv V) in f32; empty = (-inf, 0, 0).
 A CSA layer keeps two per request and compressor — *current* (entry w) and
 *next* (entry w + 1) — an HCA layer one. The entry an accumulator belongs to
-is implied by the request's length: with p0 the first position a call brings
-for a request, accumulator k holds entry p0 // m + k.
+is implied by the request's length: with f the first position a call gates
+for a request, accumulator k holds entry f // m + k.
 
 One call, per compressor:
-1. Contributions. A token at position p of a CSA layer gives two: its b half
-   (channels [d, 2d) of kv and z) to entry p // 4 and its a half (channels
-   [0, d)) to entry p // 4 + 1. An HCA token gives one, to entry p // 128.
-   z = score + ape[p mod m] (f32 add).
+0. Expected positions (docs/design.md §3). The k-th row of a request slot in
+   the call (a stable sort by slot ranks them) has ep = p0 + k, p0 the
+   position of its first row. A row gates if 0 <= ep < max_context; a gating
+   row whose position is not ep is BAD_POSITION, and so is every row that
+   does not gate. The gating expected positions of a slot are [f, L].
+1. Contributions. A gating row at ep of a CSA layer gives two: its b half
+   (channels [d, 2d) of kv and z) to entry ep // 4 and its a half (channels
+   [0, d)) to entry ep // 4 + 1. An HCA row gives one, to entry ep // 128.
+   z = score + ape[ep mod m] (f32 add). A dropped gating row contributes
+   weight 0 (z = -inf): it still makes its entries' segments exist, so every
+   window it closes is written and every carried accumulator is merged.
 2. Segments. Contributions are grouped by (slot, entry) with a sort; the
    segment's maximum over its contributions is taken first, then
    S = sum exp(z - M) and V = sum exp(z - M) * kv (two passes within the call).
 3. The stored accumulator k of a slot is merged into the segment of entry
-   p0 // m + k:  M' = max(M1, M2), S' = S1 e^(M1-M') + S2 e^(M2-M'), the same
-   for V; an all-empty merge stays (-inf, 0, 0) (the exponent uses M' = 0
-   when M' = -inf, so no -inf - -inf NaN appears).
-4. With L1 = last position + 1, entries e < L1 // m are closed: pooled
-   V / S (0 where S = 0, which only a dropped token can cause), epilogue,
-   quantization, and a write to pool[layer, block_table[slot, e*m // 128],
-   e % (128 // m)]. Segments of entries L1 // m + k (k < number of
-   accumulators) become the slot's new accumulators; the others of an active
-   slot are emptied.
+   f // m + k (the row at f gives it a segment):  M' = max(M1, M2),
+   S' = S1 e^(M1-M') + S2 e^(M2-M'), the same for V; an all-empty merge stays
+   (-inf, 0, 0) (the exponent uses M' = 0 when M' = -inf, so no -inf - -inf
+   NaN appears).
+4. Entries e < (L + 1) // m are closed: pooled V / S (0 where S = 0),
+   epilogue, quantization, and a write to pool[layer, block_table[slot,
+   e*m // 128], e % (128 // m)] when that block exists. Segments of entries
+   (L + 1) // m + k (k < number of accumulators) become the slot's new
+   accumulators; the others of a slot with gating rows are emptied.
 
 Epilogue of an entry at position P = e*m (the order of the official code):
   y  = bf16(pooled)
@@ -48,7 +55,7 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import ACC_KV, ACC_MAX, ACC_SUM, CacheState, empty_accumulator
 from . import quant
-from ._rows import add_errors, count, layer_ok, read_index, set_pool_rows, token_checks
+from ._rows import add_errors, count, layer_ok, read_index, set_pool_rows
 
 _NEG_INF = -jnp.inf
 HADAMARD_SCALE = float(np.float32(1.0 / np.sqrt(C.INDEX_DIM)))
@@ -108,22 +115,25 @@ def merge(a, b):
     return jnp.stack([m, s, v], axis=-2)
 
 
-def _fold(acc, slot, pos, valid, kv, z, m: int, overlap: bool):
-    """Fold one call's tokens into one compressor's accumulators.
+def _fold(acc, slot, ep, gated, folded, kv, z, m: int, overlap: bool):
+    """Fold one call's gating rows into one compressor's accumulators.
 
-    acc f32[R, nacc, 3, d] (this layer); kv, z f32[T, coff*d].
-    Returns (new acc, seg_slot, seg_entry, closed, pooled f32[G, d]) where the
-    G = coff*T segments are the (slot, entry) groups of the call (unused
-    segments have slot R)."""
+    acc f32[R, nacc, 3, d] (this layer); kv, z f32[T, coff*d]; ep the rows'
+    expected positions, `gated` the rows that gate, `folded` those of them
+    whose inputs are folded (the others weigh 0). Returns (new acc, seg_slot,
+    seg_entry, closed, pooled f32[G, d]) where the G = coff*T segments are the
+    (slot, entry) groups of the call (unused segments have slot R)."""
     R, nacc, _, d = acc.shape
-    entry = pos // m
-    if overlap:   # b half -> entry p // m, a half -> entry p // m + 1
+    entry = ep // m
+    z = jnp.where(folded[:, None], z, _NEG_INF)
+    kv = jnp.where(folded[:, None], kv, 0.0)
+    if overlap:   # b half -> entry ep // m, a half -> entry ep // m + 1
         c_slot, c_entry = jnp.concatenate([slot, slot]), jnp.concatenate([entry, entry + 1])
         c_z = jnp.concatenate([z[:, d:], z[:, :d]])
         c_kv = jnp.concatenate([kv[:, d:], kv[:, :d]])
-        c_valid = jnp.concatenate([valid, valid])
+        c_valid = jnp.concatenate([gated, gated])
     else:
-        c_slot, c_entry, c_z, c_kv, c_valid = slot, entry, z, kv, valid
+        c_slot, c_entry, c_z, c_kv, c_valid = slot, entry, z, kv, gated
     G = c_slot.shape[0]
 
     # segment id of each contribution: rank of its (slot, entry) among the call's
@@ -140,10 +150,10 @@ def _fold(acc, slot, pos, valid, kv, z, m: int, overlap: bool):
     used = seg_slot < R
     s_read = jnp.minimum(seg_slot, R - 1)
 
-    # first and last position of each slot in this call
-    t_slot = jnp.where(valid, slot, R)
-    first = jnp.full((R,), jnp.iinfo(jnp.int32).max, jnp.int32).at[t_slot].min(pos, mode="drop")
-    last = jnp.full((R,), -1, jnp.int32).at[t_slot].max(pos, mode="drop")
+    # the gating range [f, L] of each slot in this call
+    t_slot = jnp.where(gated, slot, R)
+    first = jnp.full((R,), jnp.iinfo(jnp.int32).max, jnp.int32).at[t_slot].min(ep, mode="drop")
+    last = jnp.full((R,), -1, jnp.int32).at[t_slot].max(ep, mode="drop")
     active = last >= 0
 
     # the call's own two-pass softmax per segment
@@ -174,6 +184,26 @@ def _fold(acc, slot, pos, valid, kv, z, m: int, overlap: bool):
     return acc, seg_slot, seg_entry, closed, pooled
 
 
+def expected_positions(token_slot, token_pos, slot_ok, R: int, max_context: int):
+    """Per row: (ep, gated). ep = p0 + k for the k-th row of its slot in row
+    order (p0 = the position of the slot's first row), in int32 wrapping
+    arithmetic; gated = a good slot and 0 <= ep < max_context. Where p0 <
+    max_context a wrapped ep is >= 2^31 in truth, so never gates; p0 >=
+    max_context gates nothing."""
+    key = jnp.where(slot_ok, token_slot, R)
+    T = key.shape[0]
+    order = jnp.argsort(key, stable=True)
+    n = jnp.zeros((R + 1,), jnp.int32).at[key].add(1)
+    start = jnp.cumsum(n) - n
+    rank = jnp.zeros((T,), jnp.int32).at[order].set(
+        jnp.arange(T, dtype=jnp.int32) - start[key[order]])
+    p0 = jnp.zeros((R + 1,), jnp.int32).at[jnp.where(rank == 0, key, R + 1)].set(
+        token_pos, mode="drop")[key]
+    ep = p0 + rank
+    gated = slot_ok & (p0 < max_context) & (ep >= 0) & (ep < max_context)
+    return ep, gated
+
+
 def _write_pool(pool, layer, slot_rows, entry, ok, m: int, block_table, values):
     """Write `values` (a pytree of [G, ...]) of closed entries into the paged
     `pool` (same structure, [Lk, N, 128 // m, ...])."""
@@ -199,27 +229,31 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
     m = C.CSA_RATIO if csa else C.HCA_RATIO
 
     ok_layer = layer_ok(kind_idx, Lk)
-    valid, bad_slot, bad_pos = token_checks(token_slot, token_pos, R, cfg.max_context)
-    col = jnp.clip(token_pos // C.BLOCK_TOKENS, 0, MB - 1)
+    slot_ok = (token_slot >= 0) & (token_slot < R)
+    bad_slot = (token_slot != -1) & ~slot_ok
+    ep, gated = expected_positions(token_slot, token_pos, slot_ok, R, cfg.max_context)
+    bad_pos = slot_ok & (~gated | (token_pos != ep))
+    col = jnp.clip(ep // C.BLOCK_TOKENS, 0, MB - 1)
     block = state.block_table[read_index(token_slot, R), col]
-    missing = valid & ((block < 0) | (block >= N))
+    missing = gated & ~bad_pos & ((block < 0) | (block >= N))
     inputs = (kv, score) + ((index_kv, index_score) if csa else ())
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x), axis=-1) for x in inputs]), axis=0)
-    nonfinite = valid & ~missing & ~finite
-    valid = valid & ~missing & ~nonfinite & ok_layer
+    nonfinite = gated & ~bad_pos & ~missing & ~finite
+    gated = gated & ok_layer
+    folded = gated & ~bad_pos & ~missing & ~nonfinite
     errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
                                                  ErrorKind.BAD_POSITION: count(bad_pos),
                                                  ErrorKind.MISSING_BLOCK: count(missing),
                                                  ErrorKind.NONFINITE: count(nonfinite)})
     layer = read_index(kind_idx, Lk)
     layer_w = jnp.where(ok_layer, kind_idx, Lk)                   # Lk = dropped
-    slot = jnp.where(valid, token_slot, 0)
-    pos = jnp.where(valid, token_pos, 0)
+    slot = jnp.where(gated, token_slot, 0)
+    pos = jnp.where(gated, ep, 0)
 
     def run(comp, kv, score, p):
         z = score + p.ape[pos % m]
         acc, seg_slot, seg_entry, closed, pooled = _fold(
-            comp[layer], slot, pos, valid, kv, z, m, overlap=csa)
+            comp[layer], slot, pos, gated, folded, kv, z, m, overlap=csa)
         keys = epilogue(pooled, seg_entry * m, p)
         comp = set_pool_rows(comp, (jnp.reshape(layer_w, (1,)),), acc[None])
         return comp, seg_slot, seg_entry, closed, keys

@@ -88,12 +88,14 @@ def test_flush_bad_tokens_dropped():
     cfg = st0.config
     good = D.flush(st0, 2, meta_for(cfg, np.zeros(n, np.int32), np.arange(n, dtype=np.int32)),
                    jnp.asarray(kv), jnp.asarray(score), p, impl="cpu")
-    # the same tokens with bad rows mixed in
+    # the same tokens with bad rows mixed in; slot 0's two bad rows come
+    # after its good ones (its rows 128 and 129: expected positions past
+    # window 0, closing nothing), the other slots' in the middle
     slots = np.r_[np.zeros(n), [-1, 9, 1, 0, 0]].astype(np.int32)
     pos = np.r_[np.arange(n), [5, 5, 5, -1, 600]].astype(np.int32)
     kv2 = np.r_[kv, rng.standard_normal((5, 512))].astype(np.float32)
     sc2 = np.r_[score, rng.standard_normal((5, 512))].astype(np.float32)
-    perm = np.r_[np.arange(60), n + np.arange(5), np.arange(60, n)]
+    perm = np.r_[np.arange(60), n + np.arange(3), np.arange(60, n), n + np.arange(3, 5)]
     bad = D.flush(st0, 2, meta_for(cfg, slots[perm], pos[perm]), jnp.asarray(kv2[perm]),
                   jnp.asarray(sc2[perm]), p, impl="cpu")
     e = errors(bad)

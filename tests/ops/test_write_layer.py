@@ -148,12 +148,16 @@ def bad_rows(seed):
     for slot 0, so ring slots repeat), padding, bad slots, bad positions,
     slot 3 (no blocks), and NaN/Inf in the window row, the compressor row or
     both. Returns slot, pos, window kv, comp kv/score, index kv/score, and
-    the counts the two calls make together on a CSA layer."""
+    the counts the two calls make together on a CSA layer. A bad position
+    takes its request's next position (flush's expected one, docs/design.md
+    §3) and is never the request's first row, whose position sets the
+    expected ones; bad there, it would make all the request's rows bad."""
     rng = np.random.default_rng(seed)
     slot, pos = np.full(T, -1, np.int32), np.zeros(T, np.int32)
     nxt = {0: 120, 1: 0, 2: 0, 3: 0}
     kinds = rng.choice(["ok", "ok", "ok", "pad", "slot", "pos", "block", "nan_win", "nan_comp",
                         "nan_both"], T)
+    seen = set()
     for t, k in enumerate(kinds):
         s = int(rng.integers(0, 3))
         if k == "pad":
@@ -161,11 +165,15 @@ def bad_rows(seed):
         if k == "slot":
             slot[t], pos[t] = rng.choice([R, R + 7, -2, -100]), rng.integers(0, 50)
             continue
-        if k == "pos":
-            slot[t], pos[t] = s, rng.choice([-1, -50, MAXCTX, MAXCTX + 9])
-            continue
         if k == "block":
             s = 3
+        if k == "pos" and s not in seen:
+            kinds[t] = k = "ok"
+        seen.add(s)
+        if k == "pos":
+            slot[t], pos[t] = s, rng.choice([-1, -50, MAXCTX, MAXCTX + 9])
+            nxt[s] += 1
+            continue
         slot[t], pos[t] = s, nxt[s]
         nxt[s] += 1
     win = rng.normal(0, 2, (T, 512)).astype(ml_dtypes.bfloat16)

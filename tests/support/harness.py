@@ -339,14 +339,17 @@ class Harness:
             s, L = self.mgr.slot_of(rid), self.mgr.length_of(rid)
             touched[s] = True
             for j, p in enumerate(self.csa_params):
-                _close(comps["csa"][j, s], O.accumulators(req.ckv[j], req.csc[j], p.ape, 4,
-                                                          True, L), "csa comp" + where)
-                _close(comps["icomp"][j, s], O.accumulators(req.ikv[j], req.isc[j],
-                                                            p.index.ape, 4, True, L),
-                       "csa icomp" + where)
-            _close(comps["hca"][0, s], O.accumulators(req.hkv[0], req.hsc[0],
-                                                      self.hca_params.ape, 128, False, L),
-                   "hca comp" + where)
+                assert_accumulators_close(
+                    comps["csa"][j, s], O.accumulators(req.ckv[j], req.csc[j], p.ape, 4, True, L),
+                    "csa comp" + where)
+                assert_accumulators_close(
+                    comps["icomp"][j, s],
+                    O.accumulators(req.ikv[j], req.isc[j], p.index.ape, 4, True, L),
+                    "csa icomp" + where)
+            assert_accumulators_close(
+                comps["hca"][0, s],
+                O.accumulators(req.hkv[0], req.hsc[0], self.hca_params.ape, 128, False, L),
+                "hca comp" + where)
         touched[self.reset] = True
         for name, cur, old in (("csa", now.csa.comp, prev.csa.comp),
                                ("icomp", now.csa.icomp, prev.csa.icomp),
@@ -417,7 +420,7 @@ class Harness:
         self.stats.exact("gather_all", O.bits(hkv), O.bits(exp))
 
 
-def _close(got, want, what):
+def assert_accumulators_close(got, want, what):
     """Accumulator (nacc, 3, d): max to 1e-6, sum and weighted kv to 1e-5 of
     their scale; empty accumulators exactly (-inf, 0, 0)."""
     got = np.asarray(got, np.float64)

@@ -163,12 +163,13 @@ def pooled_entries(kv, score, ape, m, overlap):
     return np.array(out).reshape(-1, d)
 
 
-def finish(pooled, m, norm, inv_freq):
-    """Epilogue: bf16 -> RMSNorm -> bf16 -> interleaved RoPE at i*m -> bf16."""
+def finish(pooled, m, norm, inv_freq, entries=None):
+    """Epilogue: bf16 -> RMSNorm -> bf16 -> interleaved RoPE at i*m -> bf16,
+    row j being entry i = entries[j] (default: entries 0, 1, ...)."""
     y = to_bf16(pooled).astype(np.float64)
     var = (y * y).mean(axis=-1, keepdims=True)
     y = to_bf16(y / np.sqrt(var + EPS) * np.asarray(norm, np.float64)).astype(np.float64)
-    pos = np.arange(y.shape[0]) * m
+    pos = (np.arange(y.shape[0]) if entries is None else np.asarray(entries)) * m
     angle = (pos.astype(np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
              ).astype(np.float64)                   # the angle is defined in float32
     c, s = np.cos(angle), np.sin(angle)
