@@ -1,45 +1,21 @@
 // CPU handlers of flush for CSA and HCA layers (operands and semantics in
-// flush.h). Tokens are folded one at a time in row order, which is the order
-// of each request's positions (they come increasing and contiguous).
+// flush.h), and the serial walk: tokens folded one at a time in row order,
+// which is the order of each request's positions. The handlers run the
+// window plan for regular requests and this walk for the others
+// (flush_plan_cpu.cc).
 #include "flush.h"
+#include "flush_host.h"
 #include "handlers_cpu.h"
 #include "host_writes.h"
 
 namespace dsv4 {
 namespace {
 
-// Accumulator `acc` (0 or 1) of request slot s in layer l: rows max, sum, kv.
-float* AccRow(const CompressorView& v, int64_t R, int64_t l, int64_t s, int acc) {
-  return v.comp + ((l * R + s) * v.coff + acc) * 3 * int64_t{v.d};
-}
-
-// Adds channels [src, src + d) of token t at position p to accumulator `acc`.
-void Fold(float* acc, const CompressorView& v, int64_t t, int64_t p, int src) {
-  const int64_t width = int64_t{v.coff} * v.d;
-  const float* kv = v.kv + t * width + src;
-  const float* score = v.score + t * width + src;
-  const float* ape = v.ape + (p % v.m) * width + src;
-  for (int c = 0; c < v.d; ++c) {
-    num::SoftmaxAcc a{acc[c], acc[v.d + c], acc[2 * v.d + c]};
-    a = num::AccumulateAcc(a, score[c] + ape[c], kv[c]);
-    acc[c] = a.m;
-    acc[v.d + c] = a.s;
-    acc[2 * v.d + c] = a.kv;
-  }
-}
-
-void Finalize(const float* acc, int d, float* out) {
-  for (int c = 0; c < d; ++c)
-    out[c] = num::FinalizeAcc(num::SoftmaxAcc{acc[c], acc[d + c], acc[2 * d + c]});
-}
-
-void SetEmpty(float* acc, int d) {
-  for (int c = 0; c < d; ++c) {
-    acc[c] = num::NegInf();
-    acc[d + c] = 0.f;
-    acc[2 * d + c] = 0.f;
-  }
-}
+using host_flush::AccRow;
+using host_flush::Finalize;
+using host_flush::Fold;
+using host_flush::SetEmpty;
+using host_flush::TokenInputsFinite;
 
 // CSA: b half into current, a half into next; at the window's last token the
 // current accumulator becomes entry w and next moves up. Returns whether the
@@ -55,11 +31,6 @@ bool FoldCsa(const CompressorView& v, int64_t R, int64_t l, int64_t s, int64_t t
   for (int64_t i = 0; i < 3 * int64_t{v.d}; ++i) cur[i] = next[i];
   SetEmpty(next, v.d);
   return true;
-}
-
-bool TokenInputsFinite(const CompressorView& v, int64_t t) {
-  const int64_t w = int64_t{v.coff} * v.d;
-  return num::RowIsFinite(v.kv + t * w, w) && num::RowIsFinite(v.score + t * w, w);
 }
 
 // Drops a bad token (counting it); returns the physical block of its position.
@@ -88,7 +59,7 @@ int64_t TokenBlock(const FlushArgs& a, int64_t t) {
 
 }  // namespace
 
-void FlushCsaOnHost(const FlushArgs& a, int64_t l) {
+void WalkCsaOnHost(const FlushArgs& a, int64_t l) {
   float pooled[kHeadDim], ikey[kIndexDim];
   for (int64_t t = 0; t < a.T; ++t) {
     int64_t block = TokenBlock(a, t);
@@ -98,16 +69,11 @@ void FlushCsaOnHost(const FlushArgs& a, int64_t l) {
     FoldCsa(a.index, a.R, l, s, t, p, ikey);
     if (!closed) continue;
     int64_t w = p / kCsaRatio;
-    // The window's tokens all lie in `block` (m divides the block size).
-    int64_t e = (l * a.N + block) * a.per_block + w % a.per_block;
-    EntryEpilogue(pooled, kHeadDim, a.main.norm, a.main.inv_freq, w * kCsaRatio);
-    EncodeEntry(a.pool, e, pooled);
-    IndexKeyEpilogue(ikey, a.index.norm, a.index.inv_freq, w * kCsaRatio);
-    EncodeIndexKey(ikey, a.index_packed + e * kIndexPacked, a.index_scale + e * kIndexScales);
+    host_flush::StoreCsaEntry(a, host_flush::EntryIndex(a, l, block, w), w, pooled, ikey);
   }
 }
 
-void FlushHcaOnHost(const FlushArgs& a, int64_t l) {
+void WalkHcaOnHost(const FlushArgs& a, int64_t l) {
   float pooled[kHeadDim];
   for (int64_t t = 0; t < a.T; ++t) {
     int64_t block = TokenBlock(a, t);
@@ -119,8 +85,7 @@ void FlushHcaOnHost(const FlushArgs& a, int64_t l) {
     Finalize(acc, kHeadDim, pooled);
     SetEmpty(acc, kHeadDim);
     int64_t w = p / kHcaRatio;
-    EntryEpilogue(pooled, kHeadDim, a.main.norm, a.main.inv_freq, w * kHcaRatio);
-    EncodeEntry(a.pool, (l * a.N + block) * a.per_block, pooled);
+    host_flush::StoreHcaEntry(a, host_flush::EntryIndex(a, l, block, w), w, pooled);
   }
 }
 
