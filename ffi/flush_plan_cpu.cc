@@ -56,24 +56,20 @@ std::vector<char> KeptRows(const FlushArgs& a, int64_t s, const RequestRows& r) 
   return keep;
 }
 
-// One entry's accumulator of one compressor, folded as the plan says.
+// One entry's accumulator of one compressor, folded as its job says.
 void FoldEntry(const CompressorView& v, const FlushArgs& a, int64_t l, int64_t s,
-               const RequestRows& r, const std::vector<char>& keep, const WindowPlan& w,
-               int64_t e, float* acc) {
-  const int64_t j = w.carried_row(e);
+               const RequestRows& r, const std::vector<char>& keep, int64_t p0,
+               const EntryJob& job, float* acc) {
   const int64_t n = 3 * int64_t{v.d};
-  if (j >= 0) {
-    const float* carried = AccRow(v, a.R, l, s, static_cast<int>(j));
+  if (job.carried >= 0) {
+    const float* carried = AccRow(v, a.R, l, s, static_cast<int>(job.carried));
     for (int64_t i = 0; i < n; ++i) acc[i] = carried[i];
   } else {
     host_flush::SetEmpty(acc, v.d);
   }
-  const PosRange ra = w.a_half(e), rb = w.b_half(e);
-  for (int64_t q = ra.lo; q <= ra.hi; ++q)  // a halves: channels [0, d)
-    if (keep[q - w.p0]) host_flush::Fold(acc, v, r.t0 + (q - w.p0), q, 0);
-  const int src = v.coff == 2 ? v.d : 0;    // CSA: b halves, channels [d, 2d)
-  for (int64_t q = rb.lo; q <= rb.hi; ++q)
-    if (keep[q - w.p0]) host_flush::Fold(acc, v, r.t0 + (q - w.p0), q, src);
+  const int b_src = v.coff == 2 ? v.d : 0;  // CSA: a halves [0, d), b halves [d, 2d)
+  for (int64_t q = job.rows.lo; q <= job.rows.hi; ++q)
+    if (keep[q - p0]) host_flush::Fold(acc, v, r.t0 + (q - p0), q, q < job.b_from ? 0 : b_src);
 }
 
 void StoreAcc(const CompressorView& v, const FlushArgs& a, int64_t l, int64_t s, int64_t row,
@@ -91,11 +87,12 @@ void FlushRegular(const FlushArgs& a, int64_t l, int64_t s, const RequestRows& r
   std::vector<float> acc(3 * kHeadDim), iacc(3 * kIndexDim);
   float pooled[kHeadDim], ikey[kIndexDim];
   for (int64_t e = w.w0; e <= w.last(); ++e) {
-    FoldEntry(a.main, a, l, s, r, keep, w, e, acc.data());
-    if (kCsa) FoldEntry(a.index, a, l, s, r, keep, w, e, iacc.data());
-    if (!w.closes(e)) {
-      StoreAcc(a.main, a, l, s, w.acc_row(e), acc.data());
-      if (kCsa) StoreAcc(a.index, a, l, s, w.acc_row(e), iacc.data());
+    const EntryJob job = w.Job(e);
+    FoldEntry(a.main, a, l, s, r, keep, w.p0, job, acc.data());
+    if (kCsa) FoldEntry(a.index, a, l, s, r, keep, w.p0, job, iacc.data());
+    if (job.acc >= 0) {
+      StoreAcc(a.main, a, l, s, job.acc, acc.data());
+      if (kCsa) StoreAcc(a.index, a, l, s, job.acc, iacc.data());
       continue;
     }
     const int64_t block = a.block_table[s * a.MB + e * w.m / kBlockTokens];

@@ -33,6 +33,16 @@ struct PosRange {
   DSV4_HD bool empty() const { return lo > hi; }
 };
 
+// One entry's work: fold the rows of positions rows.lo .. rows.hi in row
+// order, a halves (CSA) below b_from, b halves (HCA: whole rows) from b_from
+// on, starting from carried accumulator `carried` (-1: empty); then store it
+// as accumulator `acc`, or close it when acc is -1.
+struct EntryJob {
+  int64_t e;
+  PosRange rows;
+  int64_t b_from, carried, acc;
+};
+
 struct WindowPlan {
   int64_t m = 1;   // window length: 4 (CSA) or 128 (HCA)
   int64_t A = 1;   // accumulators of a request: 2 (CSA) or 1 (HCA)
@@ -58,7 +68,21 @@ struct WindowPlan {
   DSV4_HD PosRange Clip(int64_t lo, int64_t hi) const {
     return PosRange{lo > p0 ? lo : p0, hi < L ? hi : L};
   }
+  // Entry e's job. Its a and b ranges are adjacent when both are non-empty
+  // (the call's positions are contiguous), so its rows are one range.
+  DSV4_HD EntryJob Job(int64_t e) const {
+    const PosRange a = a_half(e), b = b_half(e);
+    const PosRange rows = a.empty() ? b : b.empty() ? a : PosRange{a.lo, b.hi};
+    return EntryJob{e, rows, e * m, carried_row(e), acc_row(e)};
+  }
 };
+
+// The job of middle entry e (see MiddleCheckBack): whole windows, from
+// empty, closing. What WindowPlan::Job gives for it, without the plan.
+DSV4_HD EntryJob MiddleJob(bool csa, int64_t e) {
+  const int64_t m = csa ? 4 : 128;
+  return EntryJob{e, PosRange{csa ? (e - 1) * m : e * m, e * m + m - 1}, e * m, -1, -1};
+}
 
 // Whether position p may be a regular request's: inside [0, max_context) and
 // its block inside the block table (mb blocks a request). A row outside is
