@@ -91,6 +91,11 @@ void WalkHcaOnHost(const FlushArgs& a, int64_t l) {
 
 namespace {
 
+// The handlers' bodies: `kFlush` is FlushCsaOnHost / FlushHcaOnHost (the
+// ops) or the serial walk alone (the testing module's targets).
+using HostFlush = void (*)(const FlushArgs&, int64_t);
+
+template <HostFlush kFlush>
 ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
                         ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
                         ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
@@ -108,10 +113,11 @@ ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer l
       *icomp, *packed, *iscale, *errors, entry_rets, &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
-  FlushCsaOnHost(a, l);
+  kFlush(a, l);
   return ffi::Error::Success();
 }
 
+template <HostFlush kFlush>
 ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
                         ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
                         ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
@@ -124,13 +130,21 @@ ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer l
                                         *errors, entry_rets, &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
-  FlushHcaOnHost(a, l);
+  kFlush(a, l);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushCsaCpu, FlushCsaImpl, BindFlushCsa(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushHcaCpu, FlushHcaImpl, BindFlushHca(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushCsaCpu, FlushCsaImpl<FlushCsaOnHost>,
+                              BindFlushCsa(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushHcaCpu, FlushHcaImpl<FlushHcaOnHost>,
+                              BindFlushHca(ffi::Ffi::Bind()));
+// Registered by the testing module only: every request on the serial walk,
+// the oracle of the window plan's bits.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushCsaSerialCpu, FlushCsaImpl<WalkCsaOnHost>,
+                              BindFlushCsa(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushHcaSerialCpu, FlushHcaImpl<WalkHcaOnHost>,
+                              BindFlushHca(ffi::Ffi::Bind()));
 
 }  // namespace dsv4

@@ -1,7 +1,7 @@
 // What the test-only modules _dsv4_testing_cpu and _dsv4_testing_cuda hold
 // (built with -DDSV4_BUILD_TESTING=ON, never in the default wheel): the
 // numerics header exposed to Python, an FFI target that does nothing, and
-// (CPU) flush on the serial walk alone.
+// (CPU) flush on the serial walk alone (declared in handlers_cpu.h).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -15,12 +15,6 @@ namespace dsv4 {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Noop);
 // The module's registrations(): {"dsv4_noop": capsule}. ffi/noop.cc
 nanobind::dict TestingTargets();
-
-// CPU only: flush with every request on the serial walk, the oracle of the
-// window plan's bits (dsv4_flush_csa_serial, dsv4_flush_hca_serial).
-// ffi/flush_serial_cpu.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FlushCsaSerialCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FlushHcaSerialCpu);
 
 // Submodule `numerics` of the module: ffi/include/dsv4/numerics.h on the host
 // (ffi/numerics_py.cc) or run on the GPU (cuda/numerics_probe_py.cc), with the

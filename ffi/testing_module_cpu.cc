@@ -2,6 +2,7 @@
 // CPU. Loaded by dsv4_jax/_ffi.py when a testing build installed it.
 #include <nanobind/nanobind.h>
 
+#include "handlers_cpu.h"
 #include "testing.h"
 
 namespace {
