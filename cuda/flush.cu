@@ -1,11 +1,14 @@
 // CUDA handlers of flush for CSA and HCA layers (operands and semantics in
-// ffi/flush.h, per-token rules in dsv4_jax/ops/flush.py). The kernel is the
-// block code of cuda/flush_block.cuh over the whole grid, launched so that
-// it may start under its predecessor's tail (it waits before reading).
+// ffi/flush.h, per-token rules in dsv4_jax/ops/flush.py). Prefill-sized
+// calls run the window plan in parallel over (request, entry)
+// (cuda/flush_windows.cuh); decode-sized ones the serial block code of
+// cuda/flush_block.cuh over the whole grid. Either is launched so that it
+// may start under its predecessor's tail (it waits before reading).
 #include <cuda_runtime.h>
 
 #include "flush.h"
 #include "flush_block.cuh"
+#include "flush_windows.cuh"
 #include "handlers_cuda.h"
 #include "kernels.cuh"
 
@@ -22,6 +25,8 @@ __global__ void __launch_bounds__(kThreads) FlushKernel(FlushArgs a) {
 
 template <bool kCsa>
 ffi::Error LaunchFlush(cudaStream_t stream, const FlushArgs& a, const char* what) {
+  if (flush_kernel::UseWindowPlan(a.T, a.R))
+    return cuda::LaunchResult(flush_kernel::LaunchFlushPlan<kCsa>(stream, a), what);
   return cuda::LaunchResult(
       cuda::LaunchOverlapped(FlushKernel<kCsa>, dim3(flush_kernel::FlushGrid(a.T)),
                              dim3(kThreads), 0, 1u, stream, a),

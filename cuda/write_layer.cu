@@ -7,11 +7,14 @@
 // disjoint buffers (the window; the layer's accumulators, pool entries and
 // indexer keys), read only inputs and add into `errors` with atomics, so
 // the result and the counts are those of the append kernel followed by the
-// flush kernel.
+// flush kernel. A prefill-sized call (flush_kernel::UseWindowPlan) runs the
+// append role alone in that launch, then flush's window-plan kernel
+// (cuda/flush_windows.cuh) in a second one.
 #include <cuda_runtime.h>
 
 #include "append_block.cuh"
 #include "flush_block.cuh"
+#include "flush_windows.cuh"
 #include "handlers_cuda.h"
 #include "kernels.cuh"
 #include "write_layer.h"
@@ -39,13 +42,17 @@ template <bool kCsa>
 ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, const char* what) {
   // one block a multiprocessor: the flush role's registers allow no more
   const append_kernel::AppendPlan plan = append_kernel::PlanAppend(w.append.T, w.append.R, 1);
-  // flush blocks rounded up to whole clusters (the extra ones share the rows)
   const unsigned k = plan.cluster;
-  const unsigned flush_blocks = (flush_kernel::FlushGrid(w.flush.T) + k - 1) / k * k;
-  return cuda::LaunchResult(
+  const bool prefill = flush_kernel::UseWindowPlan(w.flush.T, w.flush.R);
+  // flush blocks rounded up to whole clusters (the extra ones share the rows);
+  // none in a prefill call, whose flush is the second launch
+  const unsigned flush_blocks =
+      prefill ? 0u : (flush_kernel::FlushGrid(w.flush.T) + k - 1) / k * k;
+  const cudaError_t err =
       cuda::LaunchOverlapped(WriteLayerKernel<kCsa>, dim3(plan.blocks + flush_blocks),
-                             dim3(kThreads), plan.smem, k, stream, w.append, plan, w.flush),
-      what);
+                             dim3(kThreads), plan.smem, k, stream, w.append, plan, w.flush);
+  if (err != cudaSuccess || !prefill) return cuda::LaunchResult(err, what);
+  return cuda::LaunchResult(flush_kernel::LaunchFlushPlan<kCsa>(stream, w.flush), what);
 }
 
 ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,

@@ -1,49 +1,24 @@
 // CPU handlers of flush for CSA and HCA layers (operands and semantics in
-// flush.h). One pass over the rows in row order; each request keeps a row
-// counter, which gives every row its expected position (flush.h), so a
-// request's tokens fold in row order and its windows close at their expected
-// last positions, dropped or not.
+// flush.h), and the serial walk: one pass over the rows in row order; each
+// request keeps a row counter, which gives every row its expected position
+// (flush.h), so a request's tokens fold in row order and its windows close at
+// their expected last positions, dropped or not. The handlers run the window
+// plan for regular requests and this walk for the others (flush_plan_cpu.cc).
 #include <vector>
 
 #include "flush.h"
+#include "flush_host.h"
 #include "handlers_cpu.h"
 #include "host_writes.h"
 
 namespace dsv4 {
 namespace {
 
-// Accumulator `acc` (0 or 1) of request slot s in layer l: rows max, sum, kv.
-float* AccRow(const CompressorView& v, int64_t R, int64_t l, int64_t s, int acc) {
-  return v.comp + ((l * R + s) * v.coff + acc) * 3 * int64_t{v.d};
-}
-
-// Adds channels [src, src + d) of token t at position p to accumulator `acc`.
-void Fold(float* acc, const CompressorView& v, int64_t t, int64_t p, int src) {
-  const int64_t width = int64_t{v.coff} * v.d;
-  const float* kv = v.kv + t * width + src;
-  const float* score = v.score + t * width + src;
-  const float* ape = v.ape + (p % v.m) * width + src;
-  for (int c = 0; c < v.d; ++c) {
-    num::SoftmaxAcc a{acc[c], acc[v.d + c], acc[2 * v.d + c]};
-    a = num::AccumulateAcc(a, score[c] + ape[c], kv[c]);
-    acc[c] = a.m;
-    acc[v.d + c] = a.s;
-    acc[2 * v.d + c] = a.kv;
-  }
-}
-
-void Finalize(const float* acc, int d, float* out) {
-  for (int c = 0; c < d; ++c)
-    out[c] = num::FinalizeAcc(num::SoftmaxAcc{acc[c], acc[d + c], acc[2 * d + c]});
-}
-
-void SetEmpty(float* acc, int d) {
-  for (int c = 0; c < d; ++c) {
-    acc[c] = num::NegInf();
-    acc[d + c] = 0.f;
-    acc[2 * d + c] = 0.f;
-  }
-}
+using host_flush::AccRow;
+using host_flush::Finalize;
+using host_flush::Fold;
+using host_flush::SetEmpty;
+using host_flush::TokenInputsFinite;
 
 // CSA: b half of token t (if it is folded) into current, a half into next.
 void FoldCsa(const CompressorView& v, int64_t R, int64_t l, int64_t s, int64_t t, int64_t p) {
@@ -58,11 +33,6 @@ void CloseCsa(const CompressorView& v, int64_t R, int64_t l, int64_t s, float* p
   Finalize(cur, v.d, pooled);
   for (int64_t i = 0; i < 3 * int64_t{v.d}; ++i) cur[i] = next[i];
   SetEmpty(next, v.d);
-}
-
-bool TokenInputsFinite(const CompressorView& v, int64_t t) {
-  const int64_t w = int64_t{v.coff} * v.d;
-  return num::RowIsFinite(v.kv + t * w, w) && num::RowIsFinite(v.score + t * w, w);
 }
 
 // One row of a request at its expected position: what the walk does with it.
@@ -115,7 +85,7 @@ RowStep StepRow(const FlushArgs& a, ExpectedPositions& expected, int64_t limit, 
 
 }  // namespace
 
-void FlushCsaOnHost(const FlushArgs& a, int64_t l) {
+void WalkCsaOnHost(const FlushArgs& a, int64_t l) {
   float pooled[kHeadDim], ikey[kIndexDim];
   ExpectedPositions expected(a.R);
   const int64_t limit = GatingLimit(a.max_context, a.MB);
@@ -131,16 +101,11 @@ void FlushCsaOnHost(const FlushArgs& a, int64_t l) {
     CloseCsa(a.index, a.R, l, r.s, ikey);
     if (r.block < 0) continue;
     const int64_t w = r.ep / kCsaRatio;
-    // The window's positions all lie in `block` (m divides the block size).
-    const int64_t e = (l * a.N + r.block) * a.per_block + w % a.per_block;
-    EntryEpilogue(pooled, kHeadDim, a.main.norm, a.main.inv_freq, w * kCsaRatio);
-    EncodeEntry(a.pool, e, pooled);
-    IndexKeyEpilogue(ikey, a.index.norm, a.index.inv_freq, w * kCsaRatio);
-    EncodeIndexKey(ikey, a.index_packed + e * kIndexPacked, a.index_scale + e * kIndexScales);
+    host_flush::StoreCsaEntry(a, host_flush::EntryIndex(a, l, r.block, w), w, pooled, ikey);
   }
 }
 
-void FlushHcaOnHost(const FlushArgs& a, int64_t l) {
+void WalkHcaOnHost(const FlushArgs& a, int64_t l) {
   float pooled[kHeadDim];
   ExpectedPositions expected(a.R);
   const int64_t limit = GatingLimit(a.max_context, a.MB);
@@ -154,13 +119,17 @@ void FlushHcaOnHost(const FlushArgs& a, int64_t l) {
     SetEmpty(acc, kHeadDim);
     if (r.block < 0) continue;
     const int64_t w = r.ep / kHcaRatio;
-    EntryEpilogue(pooled, kHeadDim, a.main.norm, a.main.inv_freq, w * kHcaRatio);
-    EncodeEntry(a.pool, (l * a.N + r.block) * a.per_block, pooled);
+    host_flush::StoreHcaEntry(a, host_flush::EntryIndex(a, l, r.block, w), w, pooled);
   }
 }
 
 namespace {
 
+// The handlers' bodies: `kFlush` is FlushCsaOnHost / FlushHcaOnHost (the
+// ops) or the serial walk alone (the testing module's targets).
+using HostFlush = void (*)(const FlushArgs&, int64_t);
+
+template <HostFlush kFlush>
 ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
                         ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
                         ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
@@ -178,10 +147,11 @@ ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer l
       *icomp, *packed, *iscale, *errors, entry_rets, &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
-  FlushCsaOnHost(a, l);
+  kFlush(a, l);
   return ffi::Error::Success();
 }
 
+template <HostFlush kFlush>
 ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
                         ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
                         ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
@@ -194,13 +164,21 @@ ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer l
                                         *errors, entry_rets, &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
-  FlushHcaOnHost(a, l);
+  kFlush(a, l);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushCsaCpu, FlushCsaImpl, BindFlushCsa(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushHcaCpu, FlushHcaImpl, BindFlushHca(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushCsaCpu, FlushCsaImpl<FlushCsaOnHost>,
+                              BindFlushCsa(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushHcaCpu, FlushHcaImpl<FlushHcaOnHost>,
+                              BindFlushHca(ffi::Ffi::Bind()));
+// Registered by the testing module only: every request on the serial walk,
+// the oracle of the window plan's bits.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushCsaSerialCpu, FlushCsaImpl<WalkCsaOnHost>,
+                              BindFlushCsa(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushHcaSerialCpu, FlushHcaImpl<WalkHcaOnHost>,
+                              BindFlushHca(ffi::Ffi::Bind()));
 
 }  // namespace dsv4

@@ -14,4 +14,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherWindowCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherTopkCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherAllCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IndexerTopkCpu);
+// Test-only (the testing module registers them, the ops module does not):
+// flush with every request on the serial walk, the window plan's oracle.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlushCsaSerialCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlushHcaSerialCpu);
 }  // namespace dsv4

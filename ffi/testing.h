@@ -1,6 +1,7 @@
 // What the test-only modules _dsv4_testing_cpu and _dsv4_testing_cuda hold
 // (built with -DDSV4_BUILD_TESTING=ON, never in the default wheel): the
-// numerics header exposed to Python, and an FFI target that does nothing.
+// numerics header exposed to Python, an FFI target that does nothing, and
+// (CPU) flush on the serial walk alone (declared in handlers_cpu.h).
 #pragma once
 
 #include <nanobind/nanobind.h>

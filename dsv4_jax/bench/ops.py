@@ -128,12 +128,13 @@ def bench_gather_all(b, rows_list, fmt):
 
 def bench_flush(b, kind, cases, fmt):
     """`cases`: (label, B requests, tokens each). Decode: each request's
-    token closes a window (position 4095); prefill: positions 0 .. per-1."""
+    token closes a window (position 4095); prefill: positions 0 .. per-1
+    (the block table as long as that takes: 65,536 tokens need 512 blocks)."""
     rng = b.rng
     params = flush_params(kind, rng)
     for label, B, per in cases:
         T = B * per
-        MB = 32  # 4096 tokens of context
+        MB = max(32, -(-per // C.BLOCK_TOKENS))  # 4096 tokens of context, or the prefill's
         L = min(inner_layers(T), 16)
         cfg = pool_config(kind, L, B, MB, kv_format=fmt)
         slot = np.repeat(np.arange(B, dtype=np.int32), per)

@@ -1,0 +1,156 @@
+"""flush's window-plan kernel (cuda/flush_windows.cuh) on the GPU, and its
+fallbacks. Two oracles:
+
+* the CUDA serial kernel: the same rows cut into calls of fewer than
+  kPlanMinRows (256) rows run the serial walk (cuda/flush_block.cuh), and
+  the serial walk and the plan fold in the same order, so the states are
+  byte-identical (same device, same expf);
+* the CPU handler (which runs the same plan): equal up to the one-code
+  flips of sin/cos/expf between libm and CUDA (workload.compare_states).
+
+Cases: one request x 4096 rows starting mid-window (carried accumulators),
+several requests of uneven chunks, CSA and HCA, ds_fp8 and bf16 pools; NaN
+rows and a missing block inside regular requests; an irregular request in
+the call beside regular ones; a decode-sized call (the serial kernel);
+write_layer's prefill launch."""
+import jax
+import numpy as np
+import pytest
+
+from dsv4_jax import config as C
+from dsv4_jax.workload import Flips, compare_states
+from support.flush_plan import call_flush, call_write_layer, params, prefill_state, projections, rows
+from support.marks import CUDA
+from support.trees import assert_trees_bytes_equal
+
+pytestmark = CUDA
+MAX_FLIP_FRACTION = 1e-3
+PLAN_MIN_ROWS = 256          # flush_kernel::kPlanMinRows
+MAX_CONTEXT = 8192
+
+
+def _gpu():
+    return jax.devices("cuda")[0]
+
+
+def _host(tree):
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def _runs(kind):
+    if kind == C.CSA:
+        return [(2, 0, 777), (0, 130, 1501), (3, 509, 3), (1, 255, 1290)]
+    return [(0, 100, 2000), (2, 0, 128), (1, 383, 1), (3, 700, 1333)]
+
+
+def _chunked(state, kind, slots, pos, proj, prm, size=PLAN_MIN_ROWS - 1):
+    """The same rows in calls of `size` rows (the serial kernel below 256)."""
+    for a in range(0, len(slots), size):
+        part = tuple(None if x is None else x[a:a + size] for x in proj)
+        state = call_flush(state, kind, slots[a:a + size], pos[a:a + size], part, prm,
+                           device=_gpu())
+    return state
+
+
+def _check(kind, fmt, slots, pos, *, nan_rows=(), missing=(), seed=0, serial_oracle=True):
+    st = prefill_state(fmt, max_context=MAX_CONTEXT, missing=missing, seed=seed,
+                       empty_slots=(2,))
+    proj = projections(kind, len(slots), seed=seed + 5, nan_rows=nan_rows)
+    prm = params(kind, seed=seed + 9)
+    cuda = _host(call_flush(st, kind, slots, pos, proj, prm, device=_gpu()))
+    cpu = _host(call_flush(st, kind, slots, pos, proj, prm))
+    flips = Flips()
+    compare_states(cuda, cpu, flips, f"{kind} cuda vs cpu ")
+    np.testing.assert_array_equal(cuda.errors, cpu.errors)
+    assert flips.fraction < MAX_FLIP_FRACTION, flips
+    if serial_oracle:
+        serial = _host(_chunked(st, kind, slots, pos, proj, prm))
+        assert_trees_bytes_equal(cuda, serial, f"{kind} plan vs serial kernel ")
+    return cuda
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+@pytest.mark.parametrize("fmt", ["ds_fp8", "bf16"])
+def test_one_request_4096_rows_mid_window(kind, fmt):
+    p0 = 130 if kind == C.CSA else 100
+    slots, pos = rows((1, p0, 4096))
+    out = _check(kind, fmt, slots, pos)
+    assert not out.errors.any()
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+@pytest.mark.parametrize("fmt", ["ds_fp8", "bf16"])
+def test_several_requests_uneven_chunks(kind, fmt):
+    slots, pos = rows(*_runs(kind), pad=3)
+    _check(kind, fmt, slots, pos, seed=1)
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+def test_nan_rows_inside_regular_requests(kind):
+    """NaN/Inf rows that close no window (the serial kernel agrees today);
+    those that close one: against the CPU plan only until the flush rule
+    (branch flush/rule) is in the serial walk."""
+    slots, pos = rows(*_runs(kind))
+    m = C.CSA_RATIO if kind == C.CSA else C.HCA_RATIO
+    rng = np.random.default_rng(3)
+    inside = [t for t in range(len(slots)) if pos[t] % m != m - 1]
+    closing = [t for t in range(len(slots)) if pos[t] % m == m - 1]
+    _check(kind, "ds_fp8", slots, pos, nan_rows=sorted(rng.choice(inside, 40, replace=False)),
+           seed=3)
+    _check(kind, "ds_fp8", slots, pos, nan_rows=closing[::5], seed=4, serial_oracle=False)
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+def test_missing_block_inside_regular_request(kind):
+    slots, pos = rows((0, 130, 1000), (1, 0, 600))
+    out = _check(kind, "ds_fp8", slots, pos, missing=[(0, 3)], seed=5, serial_oracle=False)
+    assert out.errors[2] == 128   # MISSING_BLOCK: block 3's positions 384..511
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+def test_irregular_request_beside_regular_ones(kind):
+    """Slot 0 in two runs (positions continuing), bad slots and padding
+    between runs of regular slots: slot 0 takes WalkRequest in the plan
+    kernel. Slot 3 with a gap of positions: against the CPU only (its
+    result depends on where a call starts once the flush rule is in)."""
+    reg_s, reg_p = rows(*[r for r in _runs(kind) if r[0] in (1, 2)], pad=1)
+    s0, p0 = rows((0, 40, 300))
+    s0b, p0b = rows((0, 340, 21))
+    bad = np.array([7, -1, -3], np.int32), np.array([5, 0, 9], np.int32)
+    slots = np.concatenate([s0, reg_s, bad[0], s0b])
+    pos = np.concatenate([p0, reg_p, bad[1], p0b])
+    _check(kind, "ds_fp8", slots, pos, seed=6)
+    s3, p3 = rows((3, 10, 20), (3, 40, 5), (3, MAX_CONTEXT + 4, 1))
+    _check(kind, "bf16", np.concatenate([slots, s3]), np.concatenate([pos, p3]), seed=7,
+           serial_oracle=False)
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+def test_decode_sized_call_keeps_the_serial_kernel(kind):
+    """Fewer than 256 rows, one a request (a decode step) and a short
+    prefill: the serial kernel, against the CPU."""
+    slots, pos = rows((0, 515, 1), (1, 127, 1), (2, 0, 1), (3, 4095, 1), (1, 128, 100))
+    _check(kind, "ds_fp8", slots, pos, seed=8, serial_oracle=False)
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+def test_write_layer_prefill(kind):
+    """write_layer of a 2,000-row prefill call (append role, then the plan
+    kernel): its flush part equals flush's plan kernel bit for bit, and the
+    whole state the CPU handler's up to one-code flips."""
+    slots, pos = rows(*_runs(kind)[:2], pad=2)
+    st = prefill_state("ds_fp8", max_context=MAX_CONTEXT, seed=9, empty_slots=(2,))
+    proj = projections(kind, len(slots), seed=10)
+    prm = params(kind, seed=11)
+    window_kv = jax.numpy.asarray(np.random.default_rng(12).standard_normal((len(slots), 512)),
+                                  jax.numpy.bfloat16)
+    cuda = _host(call_write_layer(st, kind, slots, pos, window_kv, proj, prm, impl="cuda",
+                                  device=_gpu()))
+    cpu = _host(call_write_layer(st, kind, slots, pos, window_kv, proj, prm, impl="cpu",
+                                 device=jax.devices("cpu")[0]))
+    flips = Flips()
+    compare_states(cuda, cpu, flips, f"write_layer {kind} cuda vs cpu ")
+    assert flips.fraction < MAX_FLIP_FRACTION, flips
+    flush_only = _host(call_flush(st, kind, slots, pos, proj, prm, device=_gpu()))
+    part = (lambda s: s.csa) if kind == C.CSA else (lambda s: s.hca)
+    assert_trees_bytes_equal(part(cuda), part(flush_only), "write_layer's flush part ")
