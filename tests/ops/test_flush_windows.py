@@ -5,7 +5,7 @@ give the same bytes (pools poisoned, carried accumulators random, every
 leaf of the state compared) on prefill chunks that start mid-window, on
 several requests of uneven chunks, beside irregular requests, bad slots
 and padding, with NaN/Inf rows. Chunking invariance of long streams:
-test_flush_windows_chunking.py; the CUDA kernels: test_flush_windows_gpu.py."""
+tests/properties/test_flush_prefill_chunking.py; the CUDA kernels: test_flush_windows_gpu.py."""
 import numpy as np
 import pytest
 
@@ -16,14 +16,6 @@ from support.marks import cpu_target_built
 from support.trees import assert_trees_bytes_equal
 
 pytestmark = cpu_target_built("dsv4_flush_csa_serial")
-
-# Cases whose dropped rows close a window (or drop a whole block): the rule
-# of docs/design.md §9 closes it anyway; the serial walk does so once the
-# flush rule (branch flush/rule) is in.
-NEEDS_RULE = pytest.mark.xfail(reason="the serial walk closes a window whose closing row is "
-                                      "dropped only under the flush rule (branch flush/rule)",
-                               strict=False)
-
 
 def _runs(kind):
     """Regular requests of uneven chunks: CSA chunks start and end anywhere
@@ -85,20 +77,22 @@ def test_nan_rows_inside_regular_requests(kind):
     assert np.asarray(out.errors)[EK.NONFINITE] == 9
 
 
-@NEEDS_RULE
 @pytest.mark.parametrize("kind", [C.CSA, C.HCA])
 def test_dropped_closing_rows_close_their_windows(kind):
+    """NaN/Inf rows at windows' last positions: their windows close anyway,
+    from the other rows (docs/design.md §3), in the plan as in the walk."""
     slots, pos = rows(*_runs(kind))
     m = C.CSA_RATIO if kind == C.CSA else C.HCA_RATIO
     closing = [t for t in range(len(slots)) if pos[t] % m == m - 1][::3]
-    _compare(kind, "ds_fp8", slots, pos, nan_rows=closing, seed=4)
+    out = _compare(kind, "ds_fp8", slots, pos, nan_rows=closing, seed=4)
+    assert np.asarray(out.errors)[EK.NONFINITE] == len(closing)
 
 
-@pytest.mark.parametrize("kind", [pytest.param(C.CSA, marks=NEEDS_RULE), C.HCA])
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
 def test_missing_block_inside_regular_request(kind):
     """Block index 2 of slot 0 is missing: its rows are MISSING_BLOCK, its
-    entries not stored, the windows after it unaffected. (HCA: the block is
-    one window, which the serial walk already leaves empty.)"""
+    entries closed but not stored, the windows after it unaffected (CSA: the
+    entry after the block starts from nothing but its own b halves)."""
     slots, pos = rows((0, 130, 500), (1, 0, 60))
     out = _compare(kind, "ds_fp8", slots, pos, missing=[(0, 2)], seed=5)
     assert np.asarray(out.errors)[EK.MISSING_BLOCK] == 128
