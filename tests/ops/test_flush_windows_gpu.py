@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import config as C
+from dsv4_jax.errors import ErrorKind as EK
 from dsv4_jax.workload import Flips, compare_states
 from support.flush_plan import call_flush, call_write_layer, params, prefill_state, projections, rows
 from support.marks import CUDA
@@ -43,16 +44,21 @@ def _runs(kind):
     return [(0, 100, 2000), (2, 0, 128), (1, 383, 1), (3, 700, 1333)]
 
 
-def _chunked(state, kind, slots, pos, proj, prm, size=PLAN_MIN_ROWS - 1):
-    """The same rows in calls of `size` rows (the serial kernel below 256)."""
-    for a in range(0, len(slots), size):
-        part = tuple(None if x is None else x[a:a + size] for x in proj)
-        state = call_flush(state, kind, slots[a:a + size], pos[a:a + size], part, prm,
-                           device=_gpu())
+def _chunked(state, kind, slots, pos, proj, prm, size=PLAN_MIN_ROWS - 1, whole_tail=0):
+    """The same rows in calls of `size` rows (the serial kernel below 256);
+    the last `whole_tail` rows (< 256) in a call of their own, so that a
+    request off its positions there sees the expected positions of the
+    whole call."""
+    head = len(slots) - whole_tail
+    cuts = list(range(0, head, size)) + [head] + ([len(slots)] if whole_tail else [])
+    for a, b in zip(cuts, cuts[1:]):
+        part = tuple(None if x is None else x[a:b] for x in proj)
+        state = call_flush(state, kind, slots[a:b], pos[a:b], part, prm, device=_gpu())
     return state
 
 
-def _check(kind, fmt, slots, pos, *, nan_rows=(), missing=(), seed=0, serial_oracle=True):
+def _check(kind, fmt, slots, pos, *, nan_rows=(), missing=(), seed=0, serial_oracle=True,
+           whole_tail=0):
     st = prefill_state(fmt, max_context=MAX_CONTEXT, missing=missing, seed=seed,
                        empty_slots=(2,))
     proj = projections(kind, len(slots), seed=seed + 5, nan_rows=nan_rows)
@@ -64,7 +70,7 @@ def _check(kind, fmt, slots, pos, *, nan_rows=(), missing=(), seed=0, serial_ora
     np.testing.assert_array_equal(cuda.errors, cpu.errors)
     assert flips.fraction < MAX_FLIP_FRACTION, flips
     if serial_oracle:
-        serial = _host(_chunked(st, kind, slots, pos, proj, prm))
+        serial = _host(_chunked(st, kind, slots, pos, proj, prm, whole_tail=whole_tail))
         assert_trees_bytes_equal(cuda, serial, f"{kind} plan vs serial kernel ")
     return cuda
 
@@ -87,9 +93,9 @@ def test_several_requests_uneven_chunks(kind, fmt):
 
 @pytest.mark.parametrize("kind", [C.CSA, C.HCA])
 def test_nan_rows_inside_regular_requests(kind):
-    """NaN/Inf rows that close no window (the serial kernel agrees today);
-    those that close one: against the CPU plan only until the flush rule
-    (branch flush/rule) is in the serial walk."""
+    """NaN/Inf rows that close no window, then rows at windows' last
+    positions (their windows close anyway, docs/design.md §3): the plan
+    kernel, the CUDA serial kernel and the CPU handler agree."""
     slots, pos = rows(*_runs(kind))
     m = C.CSA_RATIO if kind == C.CSA else C.HCA_RATIO
     rng = np.random.default_rng(3)
@@ -97,22 +103,24 @@ def test_nan_rows_inside_regular_requests(kind):
     closing = [t for t in range(len(slots)) if pos[t] % m == m - 1]
     _check(kind, "ds_fp8", slots, pos, nan_rows=sorted(rng.choice(inside, 40, replace=False)),
            seed=3)
-    _check(kind, "ds_fp8", slots, pos, nan_rows=closing[::5], seed=4, serial_oracle=False)
+    out = _check(kind, "ds_fp8", slots, pos, nan_rows=closing[::5], seed=4)
+    assert out.errors[EK.NONFINITE] == len(closing[::5])
 
 
 @pytest.mark.parametrize("kind", [C.CSA, C.HCA])
 def test_missing_block_inside_regular_request(kind):
     slots, pos = rows((0, 130, 1000), (1, 0, 600))
-    out = _check(kind, "ds_fp8", slots, pos, missing=[(0, 3)], seed=5, serial_oracle=False)
-    assert out.errors[2] == 128   # MISSING_BLOCK: block 3's positions 384..511
+    out = _check(kind, "ds_fp8", slots, pos, missing=[(0, 3)], seed=5)
+    assert out.errors[EK.MISSING_BLOCK] == 128   # block 3's positions 384..511
 
 
 @pytest.mark.parametrize("kind", [C.CSA, C.HCA])
 def test_irregular_request_beside_regular_ones(kind):
     """Slot 0 in two runs (positions continuing), bad slots and padding
     between runs of regular slots: slot 0 takes WalkRequest in the plan
-    kernel. Slot 3 with a gap of positions: against the CPU only (its
-    result depends on where a call starts once the flush rule is in)."""
+    kernel. Slot 3 with a jump of positions and one past max_context (its
+    expected positions depend on where a call starts): its rows are the
+    serial kernel's last call, whole."""
     reg_s, reg_p = rows(*[r for r in _runs(kind) if r[0] in (1, 2)], pad=1)
     s0, p0 = rows((0, 40, 300))
     s0b, p0b = rows((0, 340, 21))
@@ -121,8 +129,9 @@ def test_irregular_request_beside_regular_ones(kind):
     pos = np.concatenate([p0, reg_p, bad[1], p0b])
     _check(kind, "ds_fp8", slots, pos, seed=6)
     s3, p3 = rows((3, 10, 20), (3, 40, 5), (3, MAX_CONTEXT + 4, 1))
-    _check(kind, "bf16", np.concatenate([slots, s3]), np.concatenate([pos, p3]), seed=7,
-           serial_oracle=False)
+    out = _check(kind, "bf16", np.concatenate([slots, s3]), np.concatenate([pos, p3]), seed=7,
+                 whole_tail=len(s3))
+    assert out.errors[EK.BAD_POSITION] == 6   # slot 3's rows after its jump (expected 30..35)
 
 
 @pytest.mark.parametrize("kind", [C.CSA, C.HCA])
