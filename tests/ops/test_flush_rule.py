@@ -5,8 +5,17 @@ entries and untouched bytes. Cases: a dropped closing token in the middle of
 a call, as its last and as its first row; a window holding only carried data
 closed by a dropped token; rows off their expected position (a jump, a
 repeat, a step back) in interleaved requests; a request starting before
-position 0 or running past max_context; and chunkings of one stream with
-dropped tokens agreeing byte for byte."""
+position 0 or running past max_context; regular requests of hundreds of rows
+with dropped closing rows and a missing block (the window plan's middle
+entries); and chunkings of one stream with dropped tokens agreeing byte for
+byte.
+
+Every call is padded to T = 640 rows, so the CUDA flush runs its window-plan
+kernel (cuda/flush_windows.cuh, 256 rows or more): regular requests (one
+contiguous run of consecutive positions) by the plan, the others by its
+serial walk; the CPU handler splits requests the same way at any size. The
+CUDA serial kernel of smaller calls is held to the CPU handler in
+test_cuda_matches_cpu_under_the_rule."""
 import dataclasses
 
 import jax
@@ -65,14 +74,15 @@ def stream_inputs(kind, seed=1):
             for w in WIDTHS[kind]]
 
 
-def call_rows(rows, kind, data):
-    """rows: (slot, pos, dropped) -> padded slot, pos and inputs of one call;
-    a dropped row gets NaN, +Inf or -Inf in one channel of one operand."""
+def call_rows(rows, kind, data, padded_to=T):
+    """rows: (slot, pos, dropped) -> slot, pos and inputs of one call padded
+    to `padded_to` rows; a dropped row gets NaN, +Inf or -Inf in one channel
+    of one operand."""
     n = len(rows)
-    assert n <= T
-    slot = np.full(T, -1, np.int32)
-    pos = np.full(T, 7, np.int32)
-    arrays = [np.zeros((T, a.shape[-1]), np.float32) for a in data]
+    assert n <= padded_to
+    slot = np.full(padded_to, -1, np.int32)
+    pos = np.full(padded_to, 7, np.int32)
+    arrays = [np.zeros((padded_to, a.shape[-1]), np.float32) for a in data]
     rng = np.random.default_rng(n)
     for i, (s, p, bad) in enumerate(rows):
         slot[i], pos[i] = s, p
@@ -201,6 +211,31 @@ def test_positions_before_zero_and_past_max_context(kind):
     assert set(out.after) == {0, 3}
 
 
+@every_impl
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_regular_requests_with_dropped_rows(kind):
+    """Two regular requests (each one run of consecutive positions): slot 1
+    at 5..504 across its missing block (positions 128..255), starting and
+    ending on dropped rows, with dropped closing rows; slot 0 at 0..99. Their
+    windows are the window plan's (edge entries on the carried accumulators,
+    middle entries from the rows alone), dropped closing rows or not."""
+    _, _, m = KINDS[kind]
+    data = stream_inputs(kind)
+    closing = {"csa": {7, 11, 303, 407}, "hca": {127, 383}}[kind]
+    bad1 = {5, 9, 300, 450, 504} | closing
+    bad0 = {3, 50}
+    rows = ([(1, p, p in bad1) for p in range(5, 505)]
+            + [(0, p, p in bad0) for p in range(100)])
+    st, out = run_checked(start_state(carried=True), kind, rows, data, FlipStats())
+    assert out.counts == {K.MISSING_BLOCK: 128, K.NONFINITE: len(bad1) + len(bad0)}
+    # windows whose last position is in [f, L]: slot 1 [5, 504], slot 0 [0, 99]
+    assert closed_windows(out, 1) == (list(range(1, 126)) if kind == "csa" else [0, 1, 2])
+    assert closed_windows(out, 0) == (list(range(25)) if kind == "csa" else [])
+    # the missing block's windows close but are not stored
+    unstored = [w for s, w, b, _ in out.closed if b is None]
+    assert unstored == list(range(128 // m, 256 // m))
+
+
 def assert_states_agree_to_rounding(a, b, what):
     """The jnp reference pools each call's contributions by a two-pass
     softmax, so its chunkings agree up to fp32 rounding: accumulators close,
@@ -271,21 +306,30 @@ def _rule_calls(kind):
     return calls
 
 
+SERIAL_KERNEL_ROWS = 255     # calls below 256 rows run the CUDA serial kernel (kPlanMinRows)
+
+
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=CUDA)])
 @pytest.mark.parametrize("entry", ["flush", "write_layer"])
-def test_cuda_matches_cpu_under_the_rule(kind, mark, entry):
-    """The CUDA walk (flush's kernel and write_layer's flush role) and the
-    CPU handler leave the same bytes, call after call."""
+@pytest.mark.parametrize("kernel", ["plan", "serial"])
+def test_cuda_matches_cpu_under_the_rule(kind, mark, entry, kernel):
+    """The CUDA flush (flush's kernel and write_layer's flush role) and the
+    CPU handler leave the same bytes, call after call: in calls of T rows
+    (the window-plan kernel, its serial walk for these interleaved
+    requests) and in the same rows cut into calls of at most 255 rows (the
+    serial kernel; the cuts change what the calls mean, the same for both)."""
     layer = KINDS[kind][0]
     data = stream_inputs(kind)
+    size = T if kernel == "plan" else SERIAL_KERNEL_ROWS
+    calls = [rows[a:a + size] for rows in _rule_calls(kind) for a in range(0, len(rows), size)]
     outs = {}
     for impl in ("cuda", "cpu"):
         dev = jax.devices(impl)[0]
         p = jax.device_put(PARAMS[layer], dev)
         st = jax.device_put(start_state(carried=True), dev)
-        for rows in _rule_calls(kind):
-            slot, pos, arrays = call_rows(rows, kind, data)
+        for rows in calls:
+            slot, pos, arrays = call_rows(rows, kind, data, padded_to=size)
             meta = jax.device_put(D.StepMeta.build(
                 token_slot=slot, token_pos=pos, lengths=np.zeros(CFG.max_requests, np.int32)), dev)
             x = [jax.device_put(jnp.asarray(a), dev) for a in arrays]
@@ -293,7 +337,7 @@ def test_cuda_matches_cpu_under_the_rule(kind, mark, entry):
             if entry == "flush":
                 st = D.flush(st, layer, meta, x[0], x[1], p, impl=impl, **extra)
             else:
-                win = jax.device_put(jnp.zeros((T, 512), jnp.bfloat16), dev)
+                win = jax.device_put(jnp.zeros((size, 512), jnp.bfloat16), dev)
                 st = D.write_layer(st, layer, meta, win, x[0], x[1], p, impl=impl, **extra)
         outs[impl] = jax.device_get(st)
-    assert_trees_bytes_equal(outs["cuda"], outs["cpu"], f"{kind} {entry}: ")
+    assert_trees_bytes_equal(outs["cuda"], outs["cpu"], f"{kind} {entry} {kernel}: ")
