@@ -1,10 +1,18 @@
 // The window plan of flush for one *regular* request of a call: its rows
 // form one contiguous run t0 .. t0+n-1 whose positions are p0 .. p0+n-1, all
-// inside [0, max_context) (docs/design.md §5). Then every entry the call
-// touches depends only on the rows of its own window (CSA: and of the window
-// before) plus, for the first one or two entries, the carried accumulators,
-// so entries can be folded independently, each in row order, with the bits
-// of the serial walk. The CPU handler and the CUDA kernel both run this plan.
+// inside [0, max_context) and the block table (docs/design.md §5). Then each
+// row's expected position (flush.h) is its own, the gating range is
+// [p0, p0+n-1], and every entry the call touches depends only on the rows of
+// its own window (CSA: and of the window before) plus, for the first one or
+// two entries, the carried accumulators, so entries can be folded
+// independently, each in row order, with the bits of the serial walk. The
+// CPU handler and the CUDA kernel both run this plan.
+//
+// Dropped rows (MISSING_BLOCK, NONFINITE; a regular request has no
+// BAD_POSITION) are left out of the folds and nothing else: the windows
+// they would close still close, from what else they hold (pooled 0 if their
+// accumulator is empty), and are stored iff their block exists — the rule
+// of flush.h.
 //
 // Entries touched by the call, e = w0 .. last(), w0 = p0 / m:
 //   CSA entry e folds the a halves of the rows of window e-1, then the b halves
@@ -12,7 +20,8 @@
 //   It starts from carried accumulator e - w0 when e - w0 < A (A = 2 CSA,
 //   1 HCA), else empty.
 //   It closes (epilogue, stored in the pool) iff its window's last position
-//   (e+1)m - 1 is in the call: e < wl, wl = (L+1) / m, L = p0 + n - 1.
+//   (e+1)m - 1 is in the call, dropped row or not: e < wl, wl = (L+1) / m,
+//   L = p0 + n - 1.
 //   Otherwise it is accumulator e - wl after the call (entries wl .. wl+A-1).
 // Entries that read or write the accumulators are the request's *edge*
 // entries; in increasing e an edge entry never reads an accumulator row an
