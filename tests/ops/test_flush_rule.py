@@ -25,7 +25,7 @@ import pytest
 
 import dsv4_jax as D
 from dsv4_jax.errors import ErrorKind as K
-from dsv4_jax.workload import layer_params
+from dsv4_jax.workload import Flips, compare_states, layer_params
 
 from support.flush_rule import check_flush
 from support.harness import (FlipStats, assert_accumulators_close, compare_index, compare_kv,
@@ -315,7 +315,7 @@ SERIAL_KERNEL_ROWS = 255     # calls below 256 rows run the CUDA serial kernel (
 @pytest.mark.parametrize("kernel", ["plan", "serial"])
 def test_cuda_matches_cpu_under_the_rule(kind, mark, entry, kernel):
     """The CUDA flush (flush's kernel and write_layer's flush role) and the
-    CPU handler leave the same bytes, call after call: in calls of T rows
+    CPU handler leave the same state, call after call: in calls of T rows
     (the window-plan kernel, its serial walk for these interleaved
     requests) and in the same rows cut into calls of at most 255 rows (the
     serial kernel; the cuts change what the calls mean, the same for both)."""
@@ -340,4 +340,11 @@ def test_cuda_matches_cpu_under_the_rule(kind, mark, entry, kernel):
                 win = jax.device_put(jnp.zeros((size, 512), jnp.bfloat16), dev)
                 st = D.write_layer(st, layer, meta, win, x[0], x[1], p, impl=impl, **extra)
         outs[impl] = jax.device_get(st)
-    assert_trees_bytes_equal(outs["cuda"], outs["cpu"], f"{kind} {entry} {kernel}: ")
+    # libm's and CUDA's expf/sinf/cosf may differ in the last bit: accumulators
+    # agree to 1e-6, entries to one code (workload.compare_states, as every
+    # CUDA-vs-CPU test); the counts exactly. Plan and serial kernel are
+    # compared byte for byte on the GPU alone (test_flush_windows_gpu.py).
+    flips = Flips()
+    compare_states(outs["cuda"], outs["cpu"], flips, f"{kind} {entry} {kernel}: ")
+    np.testing.assert_array_equal(outs["cuda"].errors, outs["cpu"].errors)
+    assert flips.fraction < 1e-3, flips
