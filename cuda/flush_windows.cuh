@@ -19,8 +19,8 @@
 // whole block). Rows are counted (MISSING_BLOCK, NONFINITE) by the entry that
 // folds their b half (HCA: their entry), so once each.
 //
-// CSA (flush_entry_warp.cuh): one warp an entry, 64 rows a block, so 16
-// entries of 8 rows are in flight a block. A request long enough that its
+// CSA (flush_entry_warp.cuh): one warp an entry, 32 rows a block, so 8
+// entries of 8 rows are in flight a block (12 where a request starts). A request long enough that its
 // reading entries all close runs its four edge entries on four warps; the two
 // that leave accumulators store them only after the two readers are done (a
 // counter in shared memory). A shorter request runs its edge entries in order
@@ -282,12 +282,14 @@ inline size_t PlanSmem(int64_t R) {
   return static_cast<size_t>(PlanScratchOffset(R) +
                              (kCsa ? kWarpsPerBlock * sizeof(WarpScratch) : 0));
 }
-// CSA: 64 rows a block (16 middle entries, a warp each); HCA: a block an
+// CSA: 32 rows a block: 8 middle entries, a warp each, and room for a long
+// request's four edge entries beside them, so the edge chain (readers, then
+// the entries that leave accumulators) starts at once; HCA: a block an
 // entry, grid-stride.
 template <bool kCsa>
 inline unsigned PlanGrid(int64_t T) {
   if (!kCsa) return cuda::GridFor(T, 16, 2);
-  const int64_t blocks = (T + 63) / 64;
+  const int64_t blocks = (T + 31) / 32;
   return static_cast<unsigned>(blocks < 1 ? 1 : blocks);
 }
 
