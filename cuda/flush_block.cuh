@@ -87,6 +87,25 @@ __device__ inline void StoreEntry(const EntryPool& pool, int64_t e, const float*
   cuda::WarpEncodeEntry(pool, e, lo, hi);
 }
 
+// MXFP4 block `blk` (channels 32 blk .. 32 blk + 31) of indexer key e, a
+// warp's lanes holding one channel each (its Hadamard output x): bf16
+// rounding, the block's scale byte, two codes a byte.
+__device__ inline void StoreMxfp4Block(const FlushArgs& a, int64_t e, int blk, float x) {
+  const int lane = threadIdx.x & 31;
+  const float v = num::RoundBf16(x * num::HadamardScale());
+  float amax = num::AmaxWith(num::Mxfp4AmaxFloor(), v);
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1)
+    amax = num::MaxF(amax, __shfl_xor_sync(cuda::kFull, amax, off));
+  const uint8_t sb = num::Mxfp4ScaleByte(amax);
+  const uint32_t code = num::Mxfp4Encode(v, num::E8m0Inverse(sb));
+  const uint32_t odd = __shfl_down_sync(cuda::kFull, code, 1);
+  if ((lane & 1) == 0)
+    a.index_packed[e * kIndexPacked + 16 * blk + (lane >> 1)] =
+        static_cast<uint8_t>(code | (odd << 4));
+  if (lane == 0) a.index_scale[e * kIndexScales + blk] = sb;
+}
+
 // Hadamard, bf16 rounding and MXFP4 of the indexer key in ix (threads 0..127
 // hold a channel; all threads reach the barriers).
 __device__ inline void StoreIndexKey(const FlushArgs& a, int64_t e, float* ix) {
@@ -100,21 +119,7 @@ __device__ inline void StoreIndexKey(const FlushArgs& a, int64_t e, float* ix) {
     }
     __syncthreads();
   }
-  if (c < kIndexDim) {
-    const float v = num::RoundBf16(ix[c] * num::HadamardScale());
-    const int lane = c & 31, blk = c >> 5;
-    float amax = num::AmaxWith(num::Mxfp4AmaxFloor(), v);
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1)
-      amax = num::MaxF(amax, __shfl_xor_sync(cuda::kFull, amax, off));
-    const uint8_t sb = num::Mxfp4ScaleByte(amax);
-    const uint32_t code = num::Mxfp4Encode(v, num::E8m0Inverse(sb));
-    const uint32_t odd = __shfl_down_sync(cuda::kFull, code, 1);
-    if ((lane & 1) == 0)
-      a.index_packed[e * kIndexPacked + 16 * blk + (lane >> 1)] =
-          static_cast<uint8_t>(code | (odd << 4));
-    if (lane == 0) a.index_scale[e * kIndexScales + blk] = sb;
-  }
+  if (c < kIndexDim) StoreMxfp4Block(a, e, c >> 5, ix[c]);
   __syncthreads();
 }
 

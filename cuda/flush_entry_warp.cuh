@@ -170,20 +170,7 @@ __device__ __forceinline__ void WarpStoreIndexKey(const FlushArgs& a, int64_t e,
   }
   // MXFP4 block b holds channels 32b .. 32b+31: lane L takes channel 32b + L
 #pragma unroll
-  for (int b = 0; b < kIndexDim / 32; ++b) {
-    const float x = num::RoundBf16(ix[32 * b + lane] * num::HadamardScale());
-    float amax = num::AmaxWith(num::Mxfp4AmaxFloor(), x);
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1)
-      amax = num::MaxF(amax, __shfl_xor_sync(cuda::kFull, amax, off));
-    const uint8_t sb = num::Mxfp4ScaleByte(amax);
-    const uint32_t code = num::Mxfp4Encode(x, num::E8m0Inverse(sb));
-    const uint32_t odd = __shfl_down_sync(cuda::kFull, code, 1);
-    if ((lane & 1) == 0)
-      a.index_packed[e * kIndexPacked + 16 * b + (lane >> 1)] =
-          static_cast<uint8_t>(code | (odd << 4));
-    if (lane == 0) a.index_scale[e * kIndexScales + b] = sb;
-  }
+  for (int b = 0; b < kIndexDim / 32; ++b) StoreMxfp4Block(a, e, b, ix[32 * b + lane]);
   __syncwarp();
 }
 
