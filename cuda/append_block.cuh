@@ -7,8 +7,11 @@
 // finiteness with one vote and, if the token wins its cell, encodes the
 // entry from the same registers.
 //
-// Who wins is decided one of two ways, both exact; the grid picks one after
-// checking the call's shape (all its blocks agree):
+// Who wins is decided one of three ways, all exact. A call of at most
+// kSmallCall rows (a decode step's) runs in one block that compares every row
+// with every other in shared memory (AppendSmall: no cluster, one barrier,
+// nothing to check first). Larger calls pick one of two after checking the
+// call's shape (all their blocks agree):
 //
 // * Grouped runs (what CacheManager emits): every slot's rows form one
 //   contiguous run of consecutive positions (slots in any order, padding and
@@ -63,10 +66,14 @@ constexpr int kTokensPerBlock = 32;    // two a warp, where T leaves enough bloc
 constexpr int kMaxCluster = 8;         // the portable cluster size
 constexpr int64_t kTableCap = 4096;    // keys of one any-order pass: 32 KiB
 constexpr int kBatch = 4;              // metadata rows a thread loads before using them
+constexpr int kSmallCall = 64;         // rows one block takes whole, no cluster (4 a warp)
+constexpr int kSmallPerWarp = kSmallCall / kWarps;
 
-// The append role's launch, chosen on the host from T, R and the blocks a
-// multiprocessor holds (two for the append kernel, one beside flush).
+// The append role's launch, chosen on the host from T, R and the most blocks
+// that run at once (two a multiprocessor for the append kernel, one beside
+// flush; with clusters, what MaxActiveClusters allows: see FitAppendPlan).
 struct AppendPlan {
+  bool small = false;        // T <= kSmallCall: one block, AppendSmall
   unsigned blocks = 1;       // G, a multiple of `cluster`
   unsigned cluster = 1;      // blocks of one cluster
   int64_t bitmap_words = 0;  // run-start bitmap words a block keeps (0: too many slots)
@@ -74,10 +81,13 @@ struct AppendPlan {
   size_t smem = 0;           // dynamic shared memory a block needs
 };
 
-inline AppendPlan PlanAppend(int64_t T, int64_t R, int blocks_per_sm) {
+inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most) {
   AppendPlan p;
+  if (T <= kSmallCall) {
+    p.small = true;
+    return p;
+  }
   int64_t want = (T + kTokensPerBlock - 1) / kTokensPerBlock;
-  const int64_t most = int64_t{blocks_per_sm} * cuda::SmCount();
   want = want < 1 ? 1 : (want > most ? most : want);
   p.cluster = want >= kMaxCluster ? kMaxCluster : want >= 4 ? 4 : want >= 2 ? 2 : 1;
   p.blocks = static_cast<unsigned>((want + p.cluster - 1) / p.cluster * p.cluster);
@@ -93,10 +103,29 @@ inline AppendPlan PlanAppend(int64_t T, int64_t R, int blocks_per_sm) {
   return p;
 }
 
+// PlanAppend for `kernel` with at most `blocks_per_sm` blocks a
+// multiprocessor, its grid cut to the clusters the device runs at once, so
+// that no cluster waits for a second wave (every block walks the whole call,
+// so fewer blocks lose nothing but parallelism).
+template <typename Kernel>
+AppendPlan FitAppendPlan(Kernel kernel, int64_t T, int64_t R, int blocks_per_sm) {
+  AppendPlan p = PlanAppend(T, R, int64_t{blocks_per_sm} * cuda::SmCount());
+  if (p.cluster > 1) {
+    const int64_t fit =
+        int64_t{cuda::MaxActiveClusters(kernel, kThreads, p.smem, p.cluster)} * p.cluster;
+    if (fit >= p.cluster && fit < p.blocks) p = PlanAppend(T, R, fit);
+  }
+  return p;
+}
+
 // Static shared memory of an append block.
 struct AppendShared {
   int out_of_shape;      // set by any block of the cluster that finds the call not grouped
   int first_pass, last_pass;
+  // AppendSmall's view of the call: slot (-1 if the token is dropped) and
+  // position of each row, and whether its row is finite
+  int32_t small_slot[kSmallCall], small_pos[kSmallCall];
+  uint8_t small_finite[kSmallCall];
 };
 
 // The blocks of this block's cluster; a launch without clusters is a cluster
@@ -332,11 +361,67 @@ __device__ inline void AppendAnyOrder(const AppendArgs& a, const AppendPlan& pla
   if (lane == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
 }
 
+// ---- small calls -------------------------------------------------------------------------
+// T <= kSmallCall rows in one block: each warp loads its rows (all at once),
+// the block shares every row's cell and finiteness through shared memory,
+// and a token's warp writes its cell unless a finite row of the same cell
+// has a larger position, or the same one later in the call. Any order; one
+// barrier; nothing scans more than the call's own 64 rows.
+__device__ inline void AppendSmall(const AppendArgs& a, AppendShared& sh) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  cuda::WaitForPrevious();
+  Row rows[kSmallPerWarp];
+#pragma unroll
+  for (int j = 0; j < kSmallPerWarp; ++j)
+    if (warp + j * kWarps < a.T) rows[j] = LoadRow(a, warp + j * kWarps);
+  int32_t s = -1, p = 0;
+  if (tid < a.T) {
+    s = __ldg(a.slot + tid);
+    p = __ldg(a.pos + tid);
+  }
+  int64_t l;
+  if (!cuda::LayerOkCountedBy(true, a.layer, a.L, a.errors, &l)) return;  // block-uniform
+  const bool slot_ok = s >= 0 && s < a.R, valid = slot_ok && p >= 0 && p < a.max_context;
+  if (tid < kSmallCall) {  // warps 0 and 1: one row a thread
+    cuda::WarpCount(a.errors, kBadSlot, !slot_ok && s != -1);
+    cuda::WarpCount(a.errors, kBadPosition, slot_ok && !valid);
+    sh.small_slot[tid] = valid ? s : -1;
+    sh.small_pos[tid] = p;
+  }
+  __syncthreads();  // every row's slot before the finiteness count reads it
+  int nonfinite = 0;
+#pragma unroll
+  for (int j = 0; j < kSmallPerWarp; ++j) {
+    const int t = warp + j * kWarps;
+    if (t >= a.T) break;
+    const bool finite = WarpFinite(rows[j]);
+    nonfinite += !finite && sh.small_slot[t] >= 0;
+    if (lane == 0) sh.small_finite[t] = finite;
+  }
+  if (lane == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kSmallPerWarp; ++j) {
+    const int t = warp + j * kWarps;
+    if (t >= a.T) break;
+    const int32_t st = sh.small_slot[t], pt = sh.small_pos[t];
+    if (st < 0 || !sh.small_finite[t]) continue;  // warp-uniform
+    bool beaten = false;
+    for (int u = lane; u < a.T; u += 32) {
+      const int32_t pu = sh.small_pos[u];
+      beaten |= sh.small_slot[u] == st && sh.small_finite[u] &&
+                ((pu ^ pt) & (kWindow - 1)) == 0 && (pu > pt || (pu == pt && u > t));
+    }
+    if (!__any_sync(cuda::kFull, beaten)) WriteEntry(a, l, st, pt, rows[j]);
+  }
+}
+
 // ---- the role ----------------------------------------------------------------------------
 // Block `block` of the plan's append blocks: `smem` is plan.smem bytes of
 // dynamic shared memory (the bitmap, then the any-order table).
 __device__ inline void AppendBlock(const AppendArgs& a, const AppendPlan& plan, unsigned block,
                                    unsigned char* smem, AppendShared& sh) {
+  if (plan.small) return AppendSmall(a, sh);
   const Cluster c{plan.cluster, block % plan.cluster};
   uint32_t* bitmap = reinterpret_cast<uint32_t*>(smem);
   for (int64_t i = threadIdx.x; i < plan.bitmap_words; i += kThreads) bitmap[i] = 0u;

@@ -59,6 +59,32 @@ inline unsigned GridFor(int64_t work, int per_block, int waves) {
   return static_cast<unsigned>(want);
 }
 
+// Clusters of `cluster_x` blocks of `kernel` the device holds at once (0 if
+// the query fails). A grid of more clusters than that runs its last ones in a
+// second wave: a cluster's blocks must share a GPC, so this is often fewer
+// than blocks-a-multiprocessor x multiprocessors / cluster_x.
+template <typename... Params>
+int MaxActiveClusters(void (*kernel)(Params...), unsigned threads, size_t smem,
+                      unsigned cluster_x) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(cluster_x);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster_x;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
 // Launches `kernel` so that it may start while the kernel before it on the
 // stream is still running (programmatic dependent launch, sm_90): its CTAs
 // do what needs nothing of that kernel, then WaitForPrevious(). Without the
@@ -180,7 +206,9 @@ __device__ __forceinline__ void WarpEncodeEntry(const EntryPool& p, int64_t e, c
     ahi = num::MaxF(ahi, num::AbsF(hi[i]));
   }
   if (!hi_nope) ahi = num::kDsFp8AmaxFloor;  // RoPE channels are not quantized
-  float slo, shi;
+  // x / s for the codes: ds_fp8's scales are powers of two, so a multiply by
+  // the exact inverse gives the quotient's bits; fp8_token's need the division.
+  float slo, shi, mlo = 1.f, mhi = 1.f;
   uint8_t blo = 0, bhi = 0;
   if (p.fmt == kDsFp8) {
     // tile = 8 consecutive lanes of one half
@@ -193,25 +221,31 @@ __device__ __forceinline__ void WarpEncodeEntry(const EntryPool& p, int64_t e, c
     bhi = num::Pow2CeilE8m0(ahi / num::kE4m3Max);
     slo = num::E8m0ToF32(blo);
     shi = num::E8m0ToF32(bhi);
+    mlo = num::E8m0Inverse(blo);
+    mhi = num::E8m0Inverse(bhi);
   } else {  // fp8_token: one scale over the 448 NoPE channels
     float a = num::MaxF(alo, ahi);
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) a = num::MaxF(a, __shfl_xor_sync(kFull, a, off));
     slo = shi = a / num::kE4m3Max;
   }
-  auto codes8 = [](const float* x, float s) {
-    uint32_t w0 = 0, w1 = 0;
+  // e4m3 saturates at +-448 as the host's clamp does; the rows are finite
+  const bool pow2 = p.fmt == kDsFp8;
+  auto codes8 = [pow2](const float* x, float s, float inv_s) {
+    uint32_t w[2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      w0 |= static_cast<uint32_t>(num::F32ToE4m3(num::Clamp(x[i] / s, num::kE4m3Max))) << (8 * i);
-      w1 |= static_cast<uint32_t>(num::F32ToE4m3(num::Clamp(x[4 + i] / s, num::kE4m3Max)))
-            << (8 * i);
+    for (int h = 0; h < 2; ++h) {
+      float q[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) q[i] = pow2 ? x[4 * h + i] * inv_s : x[4 * h + i] / s;
+      w[h] = static_cast<uint32_t>(num::F32PairToE4m3(q[0], q[1])) |
+             (static_cast<uint32_t>(num::F32PairToE4m3(q[2], q[3])) << 16);
     }
-    return make_uint2(w0, w1);
+    return make_uint2(w[0], w[1]);
   };
   uint2* nope = reinterpret_cast<uint2*>(p.nope + e * kNopeDim);
-  nope[jlo] = codes8(lo, slo);
-  if (hi_nope) nope[jhi] = codes8(hi, shi);
+  nope[jlo] = codes8(lo, slo, mlo);
+  if (hi_nope) nope[jhi] = codes8(hi, shi, mhi);
   else reinterpret_cast<uint4*>(rope)[jhi - kNopeChunks] = PackBf16x8(hi);
   if (p.fmt == kDsFp8) {
     if ((lane & 7) == 0) {

@@ -96,6 +96,28 @@ __global__ void ProbeKernel(Op op, Args a) {
   }
 }
 
+// Every fp32 bit pattern u through F32PairToE4m3 (the instruction on sm_89+)
+// against F32ToE4m3, u paired with ~u so both halves see every pattern:
+// counts mismatches, NaN inputs apart, and keeps the smallest such u.
+__global__ void E4m3PairSweepKernel(unsigned long long* mismatches, unsigned* first) {
+  unsigned long long bad = 0;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < (uint64_t{1} << 32); i += stride) {
+    const uint32_t u = static_cast<uint32_t>(i), v = ~u;
+    const float x0 = num::BitsFloat(u), x1 = num::BitsFloat(v);
+    const bool nan0 = (u & 0x7fffffffu) > 0x7f800000u, nan1 = (v & 0x7fffffffu) > 0x7f800000u;
+    const uint16_t got = num::F32PairToE4m3(x0, x1);
+    const bool ok0 = nan0 || (got & 0xffu) == num::F32ToE4m3(x0);
+    const bool ok1 = nan1 || (got >> 8) == num::F32ToE4m3(x1);
+    if (!ok0 || !ok1) {
+      ++bad;
+      atomicMin(first, ok0 ? v : u);
+    }
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
 // Device copies of the host buffers, freed on scope exit.
 struct DeviceBuffers {
   std::vector<void*> ptrs;
@@ -143,6 +165,24 @@ std::string Run(Op op, In x, In aux0, In aux1, In aux2, Out out0, Out out1, int6
   if (e == cudaSuccess && out0.bytes) e = cudaMemcpy(out0.data, d[4], out0.bytes, cudaMemcpyDeviceToHost);
   if (e == cudaSuccess && out1.bytes) e = cudaMemcpy(out1.data, d[5], out1.bytes, cudaMemcpyDeviceToHost);
   if (e != cudaSuccess) return std::string("probe: ") + cudaGetErrorString(e);
+  return "";
+}
+
+std::string SweepE4m3Pair(uint64_t* mismatches, uint32_t* first) {
+  DeviceBuffers bufs;
+  void *d_count, *d_first;
+  cudaError_t e = bufs.Upload(nullptr, sizeof(unsigned long long), &d_count);
+  if (e == cudaSuccess) e = bufs.Upload(nullptr, sizeof(unsigned), &d_first);
+  if (e == cudaSuccess) e = cudaMemset(d_count, 0, sizeof(unsigned long long));
+  if (e == cudaSuccess) e = cudaMemset(d_first, 0xff, sizeof(unsigned));
+  if (e != cudaSuccess) return std::string("sweep upload: ") + cudaGetErrorString(e);
+  E4m3PairSweepKernel<<<1024, 256>>>(static_cast<unsigned long long*>(d_count),
+                                     static_cast<unsigned*>(d_first));
+  e = cudaGetLastError();
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  if (e == cudaSuccess) e = cudaMemcpy(mismatches, d_count, sizeof(uint64_t), cudaMemcpyDeviceToHost);
+  if (e == cudaSuccess) e = cudaMemcpy(first, d_first, sizeof(uint32_t), cudaMemcpyDeviceToHost);
+  if (e != cudaSuccess) return std::string("sweep: ") + cudaGetErrorString(e);
   return "";
 }
 

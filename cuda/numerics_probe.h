@@ -32,5 +32,10 @@ enum class Op {
 std::string Run(Op op, In x, In aux0, In aux1, In aux2, Out out0, Out out1, int64_t rows,
                 int64_t width);
 
+// Sweeps every fp32 pattern through num::F32PairToE4m3 against
+// num::F32ToE4m3 (NaN inputs excluded): the mismatch count and the smallest
+// mismatching pattern (0xffffffff if none).
+std::string SweepE4m3Pair(uint64_t* mismatches, uint32_t* first);
+
 }  // namespace probe
 }  // namespace dsv4

@@ -50,6 +50,12 @@ void Elementwise(nb::module_& m, const char* name, probe::Op op) {
 void BindNumericsProbe(nb::module_& parent) {
   nb::module_ m = parent.def_submodule("numerics", "numerics.h run on the GPU, for tests");
   Elementwise<float, uint16_t>(m, "bf16_bits", probe::Op::kBf16Bits);
+  m.def("e4m3_pair_sweep", [] {
+    uint64_t count = 0;
+    uint32_t first = 0;
+    Check(probe::SweepE4m3Pair(&count, &first));
+    return nb::make_tuple(count, first);
+  }, "(mismatches, first pattern) of F32PairToE4m3 against F32ToE4m3 over all fp32");
   Elementwise<float, uint8_t>(m, "e4m3_encode", probe::Op::kE4m3Encode);
   Elementwise<uint8_t, float>(m, "e4m3_decode", probe::Op::kE4m3Decode);
   Elementwise<float, uint8_t>(m, "e8m0_pow2ceil", probe::Op::kE8m0Pow2Ceil);

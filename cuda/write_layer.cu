@@ -41,7 +41,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <bool kCsa>
 ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, const char* what) {
   // one block a multiprocessor: the flush role's registers allow no more
-  const append_kernel::AppendPlan plan = append_kernel::PlanAppend(w.append.T, w.append.R, 1);
+  const append_kernel::AppendPlan plan =
+      append_kernel::FitAppendPlan(WriteLayerKernel<kCsa>, w.append.T, w.append.R, 1);
   const unsigned k = plan.cluster;
   const bool prefill = flush_kernel::UseWindowPlan(w.flush.T, w.flush.R);
   // flush blocks rounded up to whole clusters (the extra ones share the rows);

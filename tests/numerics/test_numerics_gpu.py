@@ -57,6 +57,14 @@ def test_scalar_conversions_bit_exact(gpu, name, in_dtype, out_dtype):
     np.testing.assert_array_equal(c.view(np.uint8), g.view(np.uint8))
 
 
+def test_e4m3_pair_instruction_matches_portable_encode_on_every_float(gpu):
+    """The kernels encode fp8 codes a pair at a time (one cvt instruction on
+    sm_89+); every non-NaN fp32 pattern must give F32ToE4m3's code."""
+    mismatches, first = gpu.e4m3_pair_sweep()
+    assert (mismatches, first) == (0, 0xFFFFFFFF), \
+        f"{mismatches} patterns differ, the first {first:#010x}"
+
+
 def bf16_rows(n, width):
     x = rng.standard_normal((n, width)) * 2.0 ** rng.integers(-40, 20, (n, 1))
     return x.astype(F32).view(np.uint32).__and__(0xFFFF0000).view(F32)
