@@ -110,3 +110,15 @@ def test_two_processes_equal_one_process_byte_for_byte(platform, tmp_path):
     for r in (r0, r1):
         assert r["process_local_meta"].startswith("meta.data: expected shape")
         assert r["state_alive"]
+
+
+def test_serving_example_runs_two_processes():
+    """examples/multiprocess_serving.py starts its processes, each serves the
+    requests routed to it (some wait for a free slot) and finds no bad input."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "multiprocess_serving.py"),
+                          "--steps", "6", "--timeout", str(TIMEOUT_S)],
+                         capture_output=True, text=True, timeout=TIMEOUT_S + 30, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "process 0: shards (0, 1) served, no bad input" in out.stdout
+    assert "process 1: shards (2, 3) served, no bad input" in out.stdout
+    assert "process 0 step 0: 4 requests, 4 waiting" in out.stdout   # its shards were full
