@@ -122,3 +122,36 @@ def test_serving_example_runs_two_processes():
     assert "process 0: shards (0, 1) served, no bad input" in out.stdout
     assert "process 1: shards (2, 3) served, no bad input" in out.stdout
     assert "process 0 step 0: 4 requests, 4 waiting" in out.stdout   # its shards were full
+
+
+def test_process_manager_in_one_process_fixed_sizes_and_row_checks():
+    """In one process a ProcessCacheManager holds every shard and equals the
+    ShardedCacheManager's metadata; fixed sizes too small for a shard raise
+    CacheFullError naming it with nothing changed; rows that are not a whole
+    number of this process's shards are refused."""
+    import jax
+    from dsv4_jax import CacheConfig, CacheFullError
+    from dsv4_jax.multiprocess import ProcessCacheManager
+    from dsv4_jax.sharding import ShardedCacheManager, shard_config
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    cfg = shard_config(CacheConfig.tiny(max_requests=8, num_blocks=32), mesh, "data")
+    mine, ref = ProcessCacheManager(cfg, mesh), ShardedCacheManager(cfg)
+    assert mine.shards == (0, 1, 2, 3)
+    for r, k in [(10, 0), (11, 2), (12, 2), (13, 3)]:
+        mine.admit(r, shard=k)
+        ref.admit(r, shard=k)
+    tokens = {10: 20, 11: 5, 12: 40, 13: 1}
+    with pytest.raises(CacheFullError, match=r"needs 64 token rows on shard 2 \(process 0\)"):
+        mine.prepare_step(tokens, sizes=(32, 2, 2))
+    assert mine.length_of(11) == 0                       # nothing changed
+    got = mine.prepare_step(tokens, sizes=(64, 2, 2))
+    want = ref.prepare_step(tokens, min_tokens=64)   # its NB, NR: 2 and 2 as well
+    np.testing.assert_array_equal(np.asarray(got.data), np.asarray(want.data))
+    assert mine.token_rows(12) == ref.token_rows(12)
+    assert mine.admit() == 0 and mine.admit() == 1      # ids of process 0 of 1
+    with pytest.raises(ValueError, match="expected 4 shards' rows of process 0"):
+        mine.put_rows(np.zeros((6, 3), np.float32))
+    with pytest.raises(KeyError, match="not admitted on process 0"):
+        mine.prepare_step({99: 1})
