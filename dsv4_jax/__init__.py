@@ -88,6 +88,7 @@ tests/test_example.py checks it against a dense float64 attention.
 """
 from . import _ffi  # registers the FFI targets of the compiled modules
 from . import sharding
+from . import multiprocess
 from .config import CacheConfig
 from .donation import NotDonatedWarning, check_donated
 from .errors import CacheInputError, ErrorKind, check_errors, reset_errors

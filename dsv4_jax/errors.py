@@ -43,29 +43,75 @@ _DESCRIPTIONS = {
 
 
 class CacheInputError(RuntimeError):
-    """Raised by `check_errors` when an op dropped bad input."""
+    """Raised by `check_errors` when an op dropped bad input.
 
-    def __init__(self, counts: dict[ErrorKind, int]):
+    `counts` maps each `ErrorKind` to its count, summed over the shards read;
+    `by_shard` (sharded states) maps each shard with a non-zero counter to
+    (the process that holds it, its counts), so a multi-process run says which
+    process saw what."""
+
+    def __init__(self, counts: dict[ErrorKind, int],
+                 by_shard: dict[int, tuple[int, dict[ErrorKind, int]]] | None = None):
         self.counts = counts
+        self.by_shard = by_shard or {}
         lines = [f"  {kind.name.lower()}: {n} ({_DESCRIPTIONS[kind]})"
                  for kind, n in counts.items()]
+        for shard, (process, kinds) in sorted(self.by_shard.items()):
+            lines.append(f"  shard {shard} (process {process}): "
+                         + ", ".join(f"{k.name.lower()} {n}" for k, n in kinds.items()))
         super().__init__("the cache dropped bad input (rows dropped, nothing else changed):\n"
                          + "\n".join(lines))
 
 
-def error_counts(state_or_errors) -> dict[ErrorKind, int]:
-    """Non-zero counters as a dict (reads device data: host side only)."""
+def _nonzero(row) -> dict[ErrorKind, int]:
+    return {ErrorKind(i): int(v) for i, v in enumerate(row) if v}
+
+
+def shard_error_counts(state_or_errors) -> dict[int, tuple[int, dict[ErrorKind, int]]]:
+    """Per shard this process can read: shard -> (process holding it, its
+    non-zero counters). Unsharded counters are shard 0. In a multi-process run
+    (docs/design.md §10) a process reads only the shards on its own devices;
+    the others' counters are theirs to check. Reads device data: host side
+    only."""
     errors = getattr(state_or_errors, "errors", state_or_errors)
-    values = np.asarray(errors).reshape(-1, NUM_ERROR_KINDS).sum(axis=0)
-    return {ErrorKind(i): int(v) for i, v in enumerate(values) if v}
+    out = {}
+    if isinstance(errors, jax.Array) and not errors.is_fully_replicated:
+        for piece in errors.addressable_shards:
+            shard = (piece.index[0].start or 0) // NUM_ERROR_KINDS
+            if shard not in out:    # a shard held by several devices is read once
+                out[shard] = (piece.device.process_index, _nonzero(np.asarray(piece.data)))
+        return {k: v for k, v in sorted(out.items()) if v[1]}
+    process = jax.process_index()
+    rows = np.asarray(errors).reshape(-1, NUM_ERROR_KINDS)
+    return {k: (process, _nonzero(row)) for k, row in enumerate(rows) if row.any()}
+
+
+def error_counts(state_or_errors) -> dict[ErrorKind, int]:
+    """Non-zero counters as a dict, summed over the shards this process can
+    read (reads device data: host side only)."""
+    return _summed(shard_error_counts(state_or_errors))
+
+
+def _summed(by_shard) -> dict[ErrorKind, int]:
+    total = np.zeros(NUM_ERROR_KINDS, np.int64)
+    for _, kinds in by_shard.values():
+        for kind, n in kinds.items():
+            total[kind] += n
+    return _nonzero(total)
 
 
 def check_errors(state_or_errors) -> None:
     """Raise `CacheInputError` if any op has counted bad input. Accepts a
-    `CacheState` or its `errors` array (sharded states sum over shards)."""
-    counts = error_counts(state_or_errors)
+    `CacheState` or its `errors` array. A sharded state's counters are summed
+    over its shards and also listed per shard with the process that holds
+    each; in a multi-process run each process checks its own shards (call it
+    on every process)."""
+    by_shard = shard_error_counts(state_or_errors)
+    counts = _summed(by_shard)
     if counts:
-        raise CacheInputError(counts)
+        errors = getattr(state_or_errors, "errors", state_or_errors)
+        sharded = np.shape(errors)[0] > NUM_ERROR_KINDS
+        raise CacheInputError(counts, by_shard if sharded else None)
 
 
 def reset_errors(state):

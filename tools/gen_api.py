@@ -43,6 +43,9 @@ SECTIONS = [
     ("Sharding", ["sharding.shard_config", "sharding.init_sharded_state",
                   "sharding.ShardedCacheManager", "sharding.state_specs",
                   "sharding.state_sharding", "sharding.run_sharded"]),
+    ("Across processes", ["multiprocess.ProcessCacheManager", "multiprocess.StepAbandoned",
+                          "multiprocess.shard_processes", "errors.shard_error_counts",
+                          "launch.run_processes", "launch.free_port"]),
 ]
 WIDTH = 96   # signatures longer than this go one parameter per line
 
