@@ -296,14 +296,16 @@ def check_snapshot(config: CacheConfig, snap) -> None:
             f"{len(snap.compress_ratios)} layers {_ratios(snap.compress_ratios)}); this cache "
             f"has kv_format {config.kv_format!r}, {config.num_layers} layers "
             f"{_ratios(config.compress_ratios)}")
-    _check_tree("snapshot", snap, snapshot_shapes(config))
+    check_tree("snapshot", snap, snapshot_shapes(config))
 
 
 def _ratios(r):
     return str(r) if len(r) <= 6 else f"{r[:6]}..."
 
 
-def _check_tree(name, tree, want):
+def check_tree(name, tree, want):
+    """ValueError naming the first leaf of `tree` whose shape or dtype is not
+    that of `want` (a pytree of ShapeDtypeStruct)."""
     got_leaves = jax.tree_util.tree_leaves_with_path(tree)
     want_leaves = jax.tree_util.tree_leaves(want)
     if len(got_leaves) != len(want_leaves):
@@ -405,7 +407,7 @@ def write_blocks(state: CacheState, blocks: Sequence[int], data: RequestBlocks) 
     ids = _check_blocks(state, blocks)
     if not isinstance(data, RequestBlocks):
         raise ValueError(f"data: expected RequestBlocks, got {type(data).__name__}")
-    _check_tree("data", data, blocks_shapes(state.config, ids.size))
+    check_tree("data", data, blocks_shapes(state.config, ids.size))
     real = ids[ids >= 0]
     if np.unique(real).size != real.size:
         raise ValueError(f"blocks: ids must be distinct, got {ids.tolist()}")
