@@ -108,6 +108,19 @@ def _unbits(b, dtype):
     return jax.lax.bitcast_convert_type(b, dtype)
 
 
+def _write_rows(pool, at, rows):
+    """`pool[:, at] = rows` (at: i32[n], an index past the axis dropped; rows:
+    the bits of [pool.shape[0], n, ...]) so that XLA writes the donated pool
+    in place: a scatter on the pool's bits (XLA's CPU backend runs a scatter
+    into 8- or 16-bit floats by widening the whole pool to f32) of at least
+    two rows (one row becomes a dynamic-update-slice, which the CPU backend
+    builds in a fresh buffer and copies back; the extra row is dropped)."""
+    if at.shape[0] == 1:
+        at = jnp.concatenate([at, jnp.full((1,), pool.shape[1], at.dtype)])
+        rows = jnp.concatenate([rows, rows], axis=1)
+    return _unbits(_bits(pool).at[:, at].set(rows, mode="drop"), pool.dtype)
+
+
 # ---- per-shard bodies (a whole state is one shard) -------------------------------------------
 def _slot_parts(st: CacheState):
     """The per-slot leaves of a state, each with the slot on axis 1 (the
@@ -143,11 +156,10 @@ def _put_slot(st: CacheState, slot, first, snap_bits, row) -> CacheState:
     `slot` where this shard owns it (else unchanged)."""
     R = st.config.max_requests
     local, ok = _local_index(slot, first, R)
-    at = jnp.where(ok, local, R)               # R: dropped by mode="drop"
+    at = jnp.where(ok, local, R)[None]         # R: dropped by mode="drop"
     window, comp, icomp, hcomp = jax.tree_util.tree_map(
-        lambda x, b: x.at[:, at].set(_unbits(b, x.dtype), mode="drop"),
-        _slot_parts(st), snap_bits)
-    table = st.block_table.at[at].set(row, mode="drop")
+        lambda x, b: _write_rows(x, at, b[:, None]), _slot_parts(st), snap_bits)
+    table = st.block_table.at[at[0]].set(row, mode="drop")
     return dataclasses.replace(
         st, block_table=table, swa=window,
         csa=dataclasses.replace(st.csa, comp=comp, icomp=icomp),
@@ -169,8 +181,7 @@ def _put_blocks(st: CacheState, blocks, first, data_bits) -> CacheState:
     N = st.config.num_blocks
     local, ok = _local_index(blocks, first, N)
     at = jnp.where(ok, local, N)
-    new = jax.tree_util.tree_map(lambda x, b: x.at[:, at].set(_unbits(b, x.dtype), mode="drop"),
-                                 _block_parts(st), data_bits)
+    new = jax.tree_util.tree_map(lambda x, b: _write_rows(x, at, b), _block_parts(st), data_bits)
     return dataclasses.replace(
         st, csa=dataclasses.replace(st.csa, kv=new.csa_kv, index=new.csa_index),
         hca=dataclasses.replace(st.hca, kv=new.hca_kv))
