@@ -222,9 +222,11 @@ class ShardedCacheManager:
             raise KeyError(f"no cached prefix {key!r}") from None
 
     def prefix_tokens(self, key) -> int:
+        """Tokens of a cached prefix."""
         return self.shards[self.prefix_shard(key)].prefix_tokens(key)
 
     def prefix_snapshot(self, key):
+        """The RequestSnapshot a cached prefix was registered with."""
         return self.shards[self.prefix_shard(key)].prefix_snapshot(key)
 
     @property
@@ -238,6 +240,7 @@ class ShardedCacheManager:
         return tuple(self._shard_of)
 
     def length_of(self, request_id) -> int:
+        """Tokens of the request in the cache."""
         return self.shards[self.shard_of(request_id)].length_of(request_id)
 
     def blocks_of(self, request_id) -> tuple[int, ...]:
