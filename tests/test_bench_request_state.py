@@ -8,12 +8,13 @@ import pytest
 from dsv4_jax import memory_report
 from dsv4_jax.bench import request_state as bench
 from conftest import requires_cpu_ffi
+from support.marks import CUDA
 
 
 @requires_cpu_ffi
 def test_cli_run_reports_exact_round_trips(tmp_path, capsys):
     out = tmp_path / "rs.json"
-    assert bench.main(["--model", "tiny", "--contexts", "256", "--reps", "1", "--impl", "cpu",
+    assert bench.main(["--model", "tiny", "--contexts", "256", "--reps", "1",
                        "--copy-gbps", "100", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     cfg = bench.bench_config("tiny", 256)
@@ -35,3 +36,15 @@ def test_cli_run_reports_exact_round_trips(tmp_path, capsys):
 def test_contexts_must_be_whole_blocks():
     with pytest.raises(SystemExit):
         bench.main(["--contexts", "100"])
+
+
+@pytest.mark.parametrize("model", [pytest.param("tiny", marks=CUDA)])
+def test_gpu_run_moves_exactly_through_pinned_host(tmp_path, model):
+    """On the GPU (the lead runs it): the whole benchmark at CPU sizes, the
+    host copies through the GPU's pinned host memory, every round trip exact."""
+    out = tmp_path / "rs.json"
+    assert bench.main(["--model", model, "--contexts", "256,1024", "--reps", "2",
+                       "--json", str(out)]) == 0
+    for row in json.loads(out.read_text())["rows"]:
+        assert row["exact"] is True and row["platform"] == "gpu"
+        assert row["host_memory_kind"] == "pinned_host" and row["h2d_GBps"] > 0
