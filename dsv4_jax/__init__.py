@@ -103,6 +103,10 @@ from .ops.gather import gather_all, gather_topk, gather_window
 from .ops.indexer import indexer_topk
 from .ops.write_layer import write_layer
 from .params import CompressorParams, yarn_inv_freq
+from .request_moves import (OffloadedRequest, admit_on_prefix, export_request, import_request,
+                            offload, preempt, resume, share_prefix)
+from .request_state import (RequestBlocks, RequestSnapshot, read_blocks, restore, snapshot,
+                            write_blocks)
 from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
 
 __all__ = [
@@ -112,5 +116,8 @@ __all__ = [
     "memory_report", "CompressorParams", "yarn_inv_freq",
     "default_impl", "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
     "indexer_topk", "write_layer",
+    "RequestSnapshot", "RequestBlocks", "snapshot", "restore", "read_blocks", "write_blocks",
+    "OffloadedRequest", "share_prefix", "admit_on_prefix", "offload", "preempt", "resume",
+    "export_request", "import_request",
 ]
 __version__ = "0.1.0"

@@ -184,10 +184,17 @@ def cmd_demo(args, parser) -> int:
     _demo_limits(args, _PRESETS[args.model])
 
     ui = UI(plain=args.plain)
-    cfg = _PRESETS[args.model](max_requests=args.requests, max_context=args.context,
-                               kv_format=args.kv_format)
+    # a slot per preempted request beyond the running ones: each comes back
+    # into a slot it never held, so the check covers the whole move
+    cfg = _PRESETS[args.model](max_requests=args.requests + args.preempt,
+                               max_context=args.context, kv_format=args.kv_format)
     prompts = demo.prompt_lengths(cfg, args.requests, args.steps, args.seed)
-    settings = demo.DemoSettings(prompts, args.chunk, args.steps, args.seed, args.corrupt_at_step)
+    if args.preempt > args.requests:
+        parser.error(f"--preempt: expected at most --requests ({args.requests}), got {args.preempt}")
+    if args.preempt and args.steps < 2:
+        parser.error("--preempt: needs at least 2 decode steps (--steps) to preempt mid-decode")
+    settings = demo.DemoSettings(prompts, args.chunk, args.steps, args.seed, args.corrupt_at_step,
+                                 args.preempt)
     plan = demo.schedule(settings)
     if args.corrupt_at_step is not None and args.corrupt_at_step >= len(plan):
         parser.error(f"--corrupt-at-step: expected a step < {len(plan)}, got {args.corrupt_at_step}")
@@ -197,10 +204,17 @@ def cmd_demo(args, parser) -> int:
     ui.line(f"{args.requests} requests, prompts {list(prompts)} tokens, prefill chunks of "
             f"{args.chunk}, then {args.steps} decode steps (context {cfg.max_context})")
 
+    parked = settings.parked_steps()
+    if parked:
+        ui.line(f"the first {args.preempt} request{'s' if args.preempt > 1 else ''} preempted to "
+                f"host memory before decode step {parked.start} and resumed into other slots "
+                f"and blocks before step {parked.stop}")
+
     with ui.progress(f"run ({impl})", len(plan)) as advance:
         ours = demo.run(cfg, settings, impl=args.impl, progress=advance)
     with ui.progress("reference replay", len(plan)) as advance:
-        ref = demo.run(cfg, settings, impl="reference", metas=ours.metas, progress=advance)
+        ref = demo.run(cfg, settings, impl="reference", metas=ours.metas, progress=advance,
+                       moves=ours.moves)
 
     rows = []
     for name, ph in ours.phases.items():
@@ -370,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", default="auto", choices=["auto", "cpu", "cuda", "reference"],
                    help="implementation of the checked run (the replay is always reference)")
     p.add_argument("--seed", type=_nonnegative_int, default=0)
+    p.add_argument("--preempt", type=_nonnegative_int, default=0, metavar="N",
+                   help="preempt the first N requests to host memory mid-decode and resume "
+                        "them into other slots and blocks (the check still covers every byte)")
     # Test hook: damage one stored byte after this step; the check must then FAIL.
     p.add_argument("--corrupt-at-step", type=_nonnegative_int, default=None,
                    help=argparse.SUPPRESS)

@@ -40,6 +40,15 @@ class DemoSettings:
     decode_steps: int
     seed: int = 0
     corrupt_at_step: int | None = None   # test hook: damage the cache after this step
+    preempt: int = 0             # requests moved to host memory mid-decode and back
+
+    def parked_steps(self) -> range:
+        """Decode steps the preempted requests sit out: from a quarter of the
+        decode (at least one step in) to half of it (at least one step out)."""
+        if not self.preempt:
+            return range(0)
+        start = max(1, self.decode_steps // 4)
+        return range(start, max(start + 1, self.decode_steps // 2))
 
 
 def prompt_lengths(cfg: CacheConfig, requests: int, decode_steps: int, seed: int) -> tuple:
@@ -66,8 +75,71 @@ def schedule(settings: DemoSettings):
         take = [min(settings.chunk, n) for n in left]
         steps.append(("prefill", take))
         left = [n - t for n, t in zip(left, take)]
-    steps += [("decode", [1] * len(left))] * settings.decode_steps
+    parked = settings.parked_steps()
+    for k in range(settings.decode_steps):
+        steps.append(("decode", [0 if k in parked and j < settings.preempt else 1
+                                 for j in range(len(left))]))
     return steps
+
+
+def move_points(settings: DemoSettings) -> dict:
+    """{step index: "out" or "in"}: before that step the first `preempt`
+    requests are preempted to host memory, or resumed (in reverse order, so
+    that with several each comes back into another's slot)."""
+    parked = settings.parked_steps()
+    if not parked:
+        return {}
+    first_decode = len(schedule(settings)) - settings.decode_steps
+    return {first_decode + parked.start: "out", first_decode + parked.stop: "in"}
+
+
+def _move(state, manager, ids, parked, way, settings, events):
+    """Preempt or resume the first `settings.preempt` requests (the run with
+    the manager), recording each copy so a replay repeats it."""
+    from .request_moves import preempt, resume
+    order = range(settings.preempt) if way == "out" else reversed(range(settings.preempt))
+    for j in order:
+        if way == "out":
+            slot, blocks = manager.slot_of(ids[j]), manager.blocks_of(ids[j])
+            parked[j] = preempt(state, manager, ids[j])
+            events.append(("out", j, slot, blocks))
+        else:
+            state, ids[j] = resume(state, manager, parked.pop(j))
+            events.append(("in", j, manager.slot_of(ids[j]), manager.blocks_of(ids[j]),
+                           manager.block_row(ids[j])))
+    return state
+
+
+def _replay_moves(state, events, parked):
+    """The recorded preemptions and resumptions done again by numpy on the
+    host, independently of `request_state`: the slot's rows and the blocks'
+    rows copied out, then into the recorded slot, blocks and block-table row."""
+    slot_leaves = (".swa.", ".csa.comp", ".csa.icomp", ".hca.comp")
+    block_leaves = (".csa.kv.", ".csa.index.", ".hca.kv.")
+    for ev in events:
+        leaves, tree = jax.tree_util.tree_flatten_with_path(state)
+        names = [jax.tree_util.keystr(path) for path, _ in leaves]
+        if ev[0] == "out":
+            _, j, slot, blocks = ev
+            parked[j] = {n: np.array(np.asarray(x)[:, slot] if n.startswith(slot_leaves)
+                                     else np.asarray(x)[:, list(blocks)])
+                         for n, (_, x) in zip(names, leaves)
+                         if n.startswith(slot_leaves + block_leaves)}
+            continue
+        _, j, slot, blocks, row = ev
+        saved = parked.pop(j)
+        new = []
+        for n, (_, x) in zip(names, leaves):
+            a = np.array(x)
+            if n in saved and n.startswith(slot_leaves):
+                a[:, slot] = saved[n]
+            elif n in saved:
+                a[:, list(blocks)] = saved[n]
+            elif n == ".block_table":
+                a[slot] = row
+            new.append(jax.device_put(a, x.sharding))
+        state = jax.tree_util.tree_unflatten(tree, new)
+    return state
 
 
 def make_inputs(cfg: CacheConfig, topk: int, key, step, meta: StepMeta):
@@ -200,6 +272,7 @@ class RunResult:
     compile_seconds: float
     manager: CacheManager | None
     checksum: np.ndarray
+    moves: dict = dataclasses.field(default_factory=dict)   # step -> recorded preempt / resume
 
 
 class _Stepper:
@@ -257,11 +330,11 @@ def pad_meta(meta: StepMeta, rows: int) -> StepMeta:
 
 
 def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None,
-        progress: Callable | None = None, scan: bool = True) -> RunResult:
+        progress: Callable | None = None, scan: bool = True, moves=None) -> RunResult:
     """Run the demo's schedule through `impl`. With `metas` (from an earlier
     run) the same steps are replayed without a manager, every step padded to
     the largest one (one compilation instead of two: the reference path
-    compiles slowly)."""
+    compiles slowly), and `moves` (that run's) repeats its preemptions."""
     params = layer_params(cfg, seed=settings.seed)
     topk = cfg.index_topk
     step_fn = _Stepper(cfg, params, impl, topk, scan)
@@ -281,15 +354,28 @@ def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None
     plan = schedule(settings)
     replay_rows = None if metas is None else max(m.num_tokens for m in metas)
     current, t0 = None, 0.0
+    points = move_points(settings)
+    recorded_moves = {} if moves is None else moves
+    parked = {}
     for i, (phase, take) in enumerate(plan):
         if phase != current:               # phase boundary: finish the previous timing
             if current is not None:
                 jax.block_until_ready(state)
                 phases[current].seconds += time.perf_counter() - t0
             current, t0 = phase, time.perf_counter()
+        if i in points:                    # preemption: host copies, not timed
+            jax.block_until_ready(state)
+            t_move = time.perf_counter()
+            if metas is None:
+                recorded_moves[i] = []
+                state = _move(state, manager, ids, parked, points[i], settings, recorded_moves[i])
+            else:
+                state = _replay_moves(state, recorded_moves[i], parked)
+            jax.block_until_ready(state)
+            t0 += time.perf_counter() - t_move
         if metas is None:
             min_tokens = chunk_rows if phase == "prefill" else B
-            meta = manager.prepare_step({r: n for r, n in zip(ids, take)},
+            meta = manager.prepare_step({r: n for r, n in zip(ids, take) if n or phase == "prefill"},
                                         min_tokens=min_tokens, **pads)
         else:
             meta = metas[i]
@@ -309,7 +395,7 @@ def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None
     jax.block_until_ready(state)
     phases[current].seconds += time.perf_counter() - t0
     return RunResult(state, recorded, phases, step_fn.compile_seconds, manager,
-                     np.asarray(checksum))
+                     np.asarray(checksum), recorded_moves)
 
 
 def _first_block(manager, ids):

@@ -9,6 +9,14 @@ A typical step::
 Token rows of the step are laid out request by request in the order of the
 mapping (`manager.token_rows(req)` gives each request's slice), padded with -1
 slots to a bucket size so the jitted step sees few distinct shapes.
+
+Blocks are reference counted: a block is held by every request whose block
+list names it and by every cached prefix (`cache_prefix`) that names it, and
+goes back to the free list only when the last holder lets go. A request
+admitted on a prefix (`admit(prefix=...)`) shares the prefix's blocks, all of
+them full (a prefix is a multiple of 128 tokens), and only ever appends
+tokens after them, so no request writes a block another holds
+(docs/design.md §7, "Prefix sharing").
 """
 from __future__ import annotations
 
@@ -35,6 +43,13 @@ class _Request:
     blocks: list = dataclasses.field(default_factory=list)   # physical id per logical block
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    tokens: int                           # a positive multiple of 128
+    blocks: tuple                         # its physical blocks, all full
+    snapshot: object                      # the RequestSnapshot taken at `tokens`
+
+
 def bucket(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum): padded sizes of the metadata."""
     n = max(n, minimum)
@@ -56,7 +71,9 @@ class CacheManager:
         self.shard = shard
         self._free_slots = collections.deque(range(config.max_requests))
         self._free_blocks = collections.deque(range(config.num_blocks))
+        self._refs: dict[int, int] = {}            # holders of each block in use
         self._requests: dict[Hashable, _Request] = {}
+        self._prefixes: dict[Hashable, _Prefix] = {}
         self._pending_resets: list[int] = []
         self._ids = itertools.count()
         self._token_rows: dict[Hashable, slice] = {}
@@ -90,6 +107,46 @@ class CacheManager:
         """The request's physical blocks, one per 128 tokens, in order."""
         return tuple(self._request(request_id).blocks)
 
+    def block_row(self, request_id) -> np.ndarray:
+        """The request's block-table row: i32[MB], its physical blocks then -1
+        (what `restore` writes into its slot)."""
+        row = np.full(self.config.max_blocks_per_request, -1, np.int32)
+        blocks = self._request(request_id).blocks
+        row[:len(blocks)] = blocks
+        return row
+
+    def global_slot(self, request_id) -> int:
+        """The request's slot (one shard: the same as `slot_of`; sharded, the
+        row in the global R axis, see ShardedCacheManager)."""
+        return self.slot_of(request_id)
+
+    def global_blocks(self, request_id) -> tuple[int, ...]:
+        """The request's physical blocks as ids of the whole cache (one shard:
+        `blocks_of`)."""
+        return self.blocks_of(request_id)
+
+    def refcount(self, block: int) -> int:
+        """Holders of physical block `block`: requests and cached prefixes
+        naming it (0 = free)."""
+        return self._refs.get(block, 0)
+
+    @property
+    def prefixes(self) -> tuple:
+        """Keys of the cached prefixes, oldest first."""
+        return tuple(self._prefixes)
+
+    def prefix_tokens(self, key) -> int:
+        """Tokens of a cached prefix (KeyError if none has that key)."""
+        return self._prefix(key).tokens
+
+    def prefix_blocks(self, key) -> tuple[int, ...]:
+        """Physical blocks of a cached prefix."""
+        return self._prefix(key).blocks
+
+    def prefix_snapshot(self, key):
+        """The RequestSnapshot a cached prefix was registered with."""
+        return self._prefix(key).snapshot
+
     def token_rows(self, request_id) -> slice:
         """Rows of `request_id`'s tokens in the last `prepare_step`: a slice of
         the step's T token rows, empty for 0 tokens; KeyError if the request
@@ -105,30 +162,148 @@ class CacheManager:
         except KeyError:
             raise KeyError(f"request {request_id!r} is not admitted{self._where()}") from None
 
+    def _prefix(self, key) -> _Prefix:
+        try:
+            return self._prefixes[key]
+        except KeyError:
+            raise KeyError(f"no cached prefix {key!r}{self._where()}") from None
+
     # ---- admission -----------------------------------------------------------------
-    def admit(self, request_id: Hashable | None = None) -> Hashable:
+    def admit(self, request_id: Hashable | None = None, *, prefix: Hashable | None = None,
+              slot: int | None = None) -> Hashable:
         """Take a free slot for a new request; returns its id (a new int if
-        `request_id` is None). Its slot is reset by the next step's apply_step."""
+        `request_id` is None). Its slot is reset by the next step's apply_step.
+
+        prefix  the key of a cached prefix (`cache_prefix`): the request starts
+                with the prefix's tokens, its blocks are the prefix's (shared,
+                reference counted) and its slot is not reset: the caller
+                writes the prefix's snapshot and `block_row(id)` into it with
+                `restore` before the next step (`dsv4_jax.admit_on_prefix`
+                does both)
+        slot    take this slot rather than the next free one (ValueError if it
+                is outside [0, R) or held by a request)"""
+        entry = None if prefix is None else self._prefix(prefix)
+        if entry is not None:
+            return self._place(request_id, slot, entry.tokens, list(entry.blocks))
+        request_id = self._place(request_id, slot, 0, [])
+        self._pending_resets.append(self._requests[request_id].slot)
+        return request_id
+
+    def admit_restored(self, length: int, request_id: Hashable | None = None, *,
+                       slot: int | None = None) -> Hashable:
+        """Admit a request that arrives with `length` tokens already computed
+        (resumed from host memory, imported from another cache): it gets a
+        slot and ceil(length / 128) fresh blocks, and no reset; the caller
+        fills the blocks with `write_blocks` and the slot with `restore`
+        before the next step (`dsv4_jax.resume` does). CacheFullError, and
+        nothing changed, if the slot or the blocks are not there."""
+        if not isinstance(length, (int, np.integer)) or isinstance(length, bool) \
+                or not 0 <= length <= self.config.max_context:
+            raise ValueError(f"length: expected an int in [0, {self.config.max_context}], "
+                             f"got {length!r}")
+        need = -(-int(length) // BLOCK_TOKENS)
+        if need > len(self._free_blocks):
+            raise CacheFullError(f"a request of {length} tokens needs {need} blocks{self._where()}, "
+                                 f"only {len(self._free_blocks)} of {self.config.num_blocks} "
+                                 f"are free")
+        self._check_place(request_id, slot)
+        blocks = [self._free_blocks.popleft() for _ in range(need)]
+        return self._place(request_id, slot, int(length), blocks)
+
+    def _check_place(self, request_id, slot) -> None:
+        if request_id is not None and request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already admitted{self._where()}")
+        if slot is None:
+            if not self._free_slots:
+                raise CacheFullError(
+                    f"no free request slot{self._where()}: asked for 1, all "
+                    f"{self.config.max_requests} slots are in use")
+            return
+        R = self.config.max_requests
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < R:
+            raise ValueError(f"slot: expected an int in [0, {R}), got {slot!r}")
+        if slot not in self._free_slots:
+            owner = next(r for r, q in self._requests.items() if q.slot == slot)
+            raise ValueError(f"slot: {slot} is occupied by request {owner!r}{self._where()}")
+
+    def _place(self, request_id, slot, length: int, blocks: list) -> Hashable:
+        """Admit with the given length and blocks (each block gains a holder)."""
+        self._check_place(request_id, slot)
         if request_id is None:
             request_id = next(i for i in self._ids if i not in self._requests)
-        if request_id in self._requests:
-            raise ValueError(f"request_id: {request_id!r} is already admitted{self._where()}")
-        if not self._free_slots:
-            raise CacheFullError(
-                f"no free request slot{self._where()}: asked for 1, all "
-                f"{self.config.max_requests} slots are in use")
-        slot = self._free_slots.popleft()
-        self._requests[request_id] = _Request(slot)
-        self._pending_resets.append(slot)
+        if slot is None:
+            slot = self._free_slots.popleft()
+        else:
+            self._free_slots.remove(slot)
+            slot = int(slot)
+        if length:
+            # the slot gets its state from a snapshot, not a reset: a reset
+            # still queued for it (an earlier owner admitted and released
+            # before any step) would wipe the restored state
+            self._pending_resets = [s for s in self._pending_resets if s != slot]
+        for b in blocks:
+            self._refs[b] = self._refs.get(b, 0) + 1
+        self._requests[request_id] = _Request(slot, length, blocks)
         return request_id
 
     def release(self, request_id) -> None:
-        """Return the request's slot and blocks. A block's next owner gets it
-        scrubbed by apply_step, so it never reads this request's entries."""
+        """Return the request's slot and let go of its blocks: a block no
+        request or cached prefix holds goes back to the free list, and its
+        next owner gets it scrubbed by apply_step (or wholly overwritten by
+        write_blocks), so it never reads this request's entries."""
         req = self._request(request_id)
         del self._requests[request_id]
-        self._free_blocks.extend(req.blocks)
+        self._let_go(req.blocks)
         self._free_slots.append(req.slot)
+
+    def _let_go(self, blocks) -> None:
+        for b in blocks:
+            self._refs[b] -= 1
+            if not self._refs[b]:
+                del self._refs[b]
+                self._free_blocks.append(b)
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def cache_prefix(self, request_id, snapshot, *, tokens: int | None = None,
+                     key: Hashable | None = None) -> Hashable:
+        """Keep the first `tokens` tokens of a request (default: all it holds)
+        as a prefix later requests can be admitted on; returns its key (a new
+        `("prefix", n)` if `key` is None).
+
+        `tokens` must be a positive multiple of 128, at most the request's
+        length: the prefix is whole blocks, every one of them full and never
+        written again (its entries all closed at the boundary). `snapshot` is
+        the request's `RequestSnapshot` taken when it held exactly `tokens`
+        tokens (`dsv4_jax.share_prefix` takes it); it is kept with the prefix
+        and checked against the config. The prefix holds its blocks until
+        `drop_prefix`. ValueError, nothing changed, otherwise."""
+        from .request_state import check_snapshot
+        req = self._request(request_id)
+        tokens = req.length if tokens is None else tokens
+        if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) \
+                or tokens <= 0 or tokens % BLOCK_TOKENS:
+            raise ValueError(f"tokens: expected a positive multiple of {BLOCK_TOKENS}, "
+                             f"got {tokens!r}")
+        if tokens > req.length:
+            raise ValueError(f"tokens: a prefix of {tokens} tokens is longer than request "
+                             f"{request_id!r}, which holds {req.length}{self._where()}")
+        check_snapshot(self.config, snapshot)
+        if key is None:
+            key = next(("prefix", i) for i in itertools.count() if ("prefix", i) not in self._prefixes)
+        if key in self._prefixes:
+            raise ValueError(f"key: a prefix {key!r} is already cached{self._where()}")
+        blocks = tuple(req.blocks[:int(tokens) // BLOCK_TOKENS])
+        for b in blocks:
+            self._refs[b] += 1
+        self._prefixes[key] = _Prefix(int(tokens), blocks, snapshot)
+        return key
+
+    def drop_prefix(self, key) -> None:
+        """Forget a cached prefix: its blocks lose a holder (requests admitted
+        on it keep theirs)."""
+        entry = self._prefix(key)
+        del self._prefixes[key]
+        self._let_go(entry.blocks)
 
     # ---- steps -----------------------------------------------------------------------
     def prepare_step(self, tokens: Mapping[Hashable, int], *, min_tokens: int = 1,
@@ -189,6 +364,7 @@ class CacheManager:
             row += n
             for logical in logicals:
                 physical = self._free_blocks.popleft()
+                self._refs[physical] = 1
                 req.blocks.append(physical)
                 new_blocks.append((req.slot, logical, physical))
             req.length = start + n

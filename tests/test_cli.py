@@ -1,11 +1,13 @@
 """`python -m dsv4_jax`: the demo checks its cache and can fail; plan prints
 the numbers of memory_report."""
+import dataclasses
 import json
 import math
 import re
 
 import pytest
 
+import dsv4_jax as dj
 from dsv4_jax import CacheConfig, memory_report
 from dsv4_jax.cli import main
 
@@ -34,6 +36,29 @@ def test_demo_passes_and_reports(capsys):
     hca = sum(n // 128 for n in lengths)            # and one HCA layer
     assert re.search(rf"CSA entries emitted \(all CSA layers\)\s+{csa:,}$", out, re.M), out
     assert re.search(rf"HCA entries emitted \(all HCA layers\)\s+{hca:,}$", out, re.M), out
+
+
+def test_demo_preempts_and_resumes_mid_decode_and_still_passes(capsys, monkeypatch):
+    """--preempt: the first requests go to host memory mid-decode and come
+    back into slots they never held; the replay repeats the moves with numpy
+    on the host, so a move that loses a byte fails the check."""
+    from dsv4_jax import request_moves
+    code, out = run_cli(capsys, "demo", *SMALL, "--preempt", "2")
+    assert code == 0, out
+    assert "the first 2 requests preempted to host memory before decode step 1 and resumed " \
+           "into other slots and blocks before step 2" in out, out
+    assert "check against the reference: PASS" in out, out
+    # the parked requests sit out one decode step: 4 + 4 - 2 tokens decoded
+    assert re.search(r"^decode\s+4\s+6\s", out, re.M), out
+
+    def resume_without_accumulators(state, manager, parked, *a, **k):
+        empty = dj.snapshot(dj.init_state(state.config), 0)
+        snap = dataclasses.replace(parked.snapshot, csa_comp=empty.csa_comp)
+        return real_resume(state, manager, dataclasses.replace(parked, snapshot=snap), *a, **k)
+    real_resume = request_moves.resume
+    monkeypatch.setattr(request_moves, "resume", resume_without_accumulators)
+    code, out = run_cli(capsys, "demo", *SMALL, "--preempt", "1")
+    assert code == 1 and "check against the reference: FAIL" in out, out
 
 
 def test_demo_fails_on_a_corrupted_cache(capsys):

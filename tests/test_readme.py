@@ -20,6 +20,15 @@ def readme_block(name: str) -> str:
     return found.group(1)
 
 
+def test_readme_moves_example_runs():
+    scope = {}
+    exec(compile(readme_block("moves"), "README.md", "exec"), scope)
+    m = scope["manager"]
+    assert m.length_of(scope["b"]) == 256 and m.length_of(scope["a"]) == 256
+    assert m.blocks_of(scope["b"]) == m.prefix_blocks(scope["key"])
+    assert scope["other_manager"].length_of(scope["b2"]) == 256
+
+
 def test_readme_usage_example_runs():
     code = readme_block("use")
     scope = {}

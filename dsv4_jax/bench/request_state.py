@@ -1,0 +1,249 @@
+"""The request-state benchmark (issue 40): moving one request's cache.
+
+    python -m dsv4_jax.bench.request_state --json request_state.json   # flash, 4k and 64k
+    python -m dsv4_jax.bench.request_state --model tiny --contexts 512,1024 --reps 2
+    python benchmarks/bench_request_state.py ...                      # the same, from a checkout
+
+For each context, one request holding that many tokens (its blocks and slot
+filled with random bits; a move copies bits, so their values do not matter):
+
+- slot (device): `snapshot` of its slot (windows of every layer, compressor
+  accumulators) and `restore` into another slot, on the device.
+- request (device / pinned_host): the whole request out (`snapshot` +
+  `read_blocks` of its blocks, as `offload` does) and back into another slot
+  and other blocks (`write_blocks` + `restore`, as `resume` does), with the
+  copy on the device or in pinned host memory.
+- prefix hit: admitting a request on a cached prefix of the whole context is
+  a `restore` of the snapshot plus a block-table row (the "restore" of the
+  slot row); set against the cache writes of prefilling those tokens through
+  every layer (`dsv4_jax.bench.prefill`, chunks of up to 8192 tokens; the
+  cache's share of a prefill only, the model's compute comes on top).
+
+Rates: bytes of the request (snapshot + its blocks, `OffloadedRequest.nbytes`)
+a second, one way. On the device a copy reads and writes each byte, so
+"% of copy" sets 2 x bytes / time against the device's copy rate (bytes read +
+written a second, BenchRun's copy reference over the same bytes). To and from
+host memory it sets bytes / time against the host-device rate measured here
+(`jax.device_put` of a buffer of the same bytes into pinned host memory and
+back). Each figure is the median of `reps` synced calls after two warm-up calls; every
+round trip is checked: the request's snapshot and blocks back equal to the
+bits that left.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsv4_jax as dj
+from .. import config as C
+from ..request_moves import host_memory_kind
+from ..request_state import read_blocks, restore, snapshot, write_blocks
+from ..state import state_shapes
+from . import prefill
+
+PRESETS = {"flash": dj.CacheConfig.flash, "pro": dj.CacheConfig.pro, "tiny": dj.CacheConfig.tiny}
+
+
+def bench_config(model: str, context: int, kv_format: str = "ds_fp8") -> dj.CacheConfig:
+    """Two slots and blocks for two copies of a request of `context` tokens."""
+    return PRESETS[model](max_requests=2, max_context=context,
+                          num_blocks=2 * C.blocks_for_tokens(context), kv_format=kv_format)
+
+
+def random_state(cfg, seed=0):
+    """A state of random bits, made on the device."""
+    shapes = state_shapes(cfg)
+    key = jax.random.key(seed)
+
+    def fill(path, sds):
+        k = jax.random.fold_in(key, hash(jax.tree_util.keystr(path)) & 0x7FFFFFFF)
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[np.dtype(sds.dtype).itemsize]
+        return jax.lax.bitcast_convert_type(jax.random.bits(k, sds.shape, width), sds.dtype)
+    return jax.jit(lambda: jax.tree_util.tree_map_with_path(fill, shapes))()
+
+
+def timed(call, reps, warm=2):
+    """Median seconds of `reps` synced calls after `warm` warm-up calls (two:
+    the second call of a donated program sees the state it returned itself,
+    placed as its outputs are, and may compile again)."""
+    for _ in range(warm):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _bits_equal(a, b) -> bool:
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    raw = lambda x: np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
+    return all(np.array_equal(raw(x), raw(y)) for x, y in zip(la, lb))
+
+
+def host_rates(nbytes, reps, device):
+    """(device -> pinned host, pinned host -> device) GB/s of `nbytes`."""
+    dev = jax.sharding.SingleDeviceSharding(device)
+    host = dev.with_memory_kind("pinned_host")
+    x = jax.device_put(jnp.zeros(nbytes, jnp.uint8), dev)
+    h = jax.device_put(x, host)
+    d2h = timed(lambda: jax.device_put(x, host), reps)
+    h2d = timed(lambda: jax.device_put(h, dev), reps)
+    return nbytes / d2h / 1e9, nbytes / h2d / 1e9
+
+
+class Mover:
+    """The state and the request (slot 0, blocks [0, n)); moves go into slot
+    1 and blocks [n, 2n), then back, so every timed call moves real bytes."""
+
+    def __init__(self, cfg, context, seed=0):
+        self.cfg, self.context = cfg, context
+        self.n = C.blocks_for_tokens(context)
+        self.state = random_state(cfg, seed)
+        self.homes = [(0, np.arange(self.n, dtype=np.int32)),
+                      (1, np.arange(self.n, 2 * self.n, dtype=np.int32))]
+        self.turn = 0
+
+    def out(self, memory_kind):
+        slot, blocks = self.homes[self.turn]
+        return (snapshot(self.state, slot, memory_kind=memory_kind),
+                read_blocks(self.state, blocks, memory_kind=memory_kind))
+
+    def into(self, parked, slot_only=False):
+        """Write `parked` into the other home; returns what is now there."""
+        self.turn ^= 1
+        slot, blocks = self.homes[self.turn]
+        snap, data = parked
+        if not slot_only:
+            self.state = write_blocks(self.state, blocks, data)
+        self.state = restore(self.state, slot, snap, blocks)
+        return self.state
+
+
+def measure(model, context, *, reps=5, kv_format="ds_fp8", prefill_impl="auto",
+            with_prefill=True, copy_gbps=None, emit=print) -> dict:
+    cfg = bench_config(model, context, kv_format)
+    mv = Mover(cfg, context)
+    kind = host_memory_kind(mv.state)
+    first = mv.out(None)
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(first))
+    slot_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(first[0]))
+    copy = copy_gbps or prefill.copy_rate_gbps(nbytes)
+    d2h, h2d = host_rates(nbytes, reps, next(iter(mv.state.block_table.devices())))
+    row = {"model": model, "context": context, "kv_format": kv_format, "bytes": nbytes,
+           "slot_bytes": slot_bytes, "copy_GBps": copy, "d2h_GBps": d2h, "h2d_GBps": h2d,
+           "platform": jax.default_backend(), "host_memory_kind": kind}
+    exact = True
+
+    def round_trip(memory_kind, slot_only=False):
+        nonlocal exact
+        parked = mv.out(memory_kind)
+        t_out = timed(lambda: mv.out(memory_kind), reps)
+        t_in = timed(lambda: mv.into(parked, slot_only), reps)
+        back = mv.out(None)
+        exact = exact and _bits_equal(back[0], parked[0]) and \
+            (slot_only or _bits_equal(back[1], parked[1]))
+        return t_out, t_in
+
+    t_snap, t_restore = round_trip(None, slot_only=True)
+    row.update(slot_snapshot_ms=t_snap * 1e3, slot_restore_ms=t_restore * 1e3,
+               slot_GBps=slot_bytes / t_restore / 1e9,
+               slot_copy_pct=100 * 2 * slot_bytes / t_restore / 1e9 / copy)
+    emit(f"  {model} {context}: slot snapshot {t_snap * 1e3:.3f} ms, restore "
+         f"{t_restore * 1e3:.3f} ms ({slot_bytes / 1e6:.2f} MB)")
+    for where, memory_kind in (("device", None), ("host", kind)):
+        if where == "host" and kind is None:
+            continue
+        t_out, t_in = round_trip(memory_kind)
+        gbps_out, gbps_in = nbytes / t_out / 1e9, nbytes / t_in / 1e9
+        ref_out, ref_in = (copy / 2, copy / 2) if where == "device" else (d2h, h2d)
+        row.update({f"{where}_out_ms": t_out * 1e3, f"{where}_in_ms": t_in * 1e3,
+                    f"{where}_out_GBps": gbps_out, f"{where}_in_GBps": gbps_in,
+                    f"{where}_out_pct": 100 * gbps_out / ref_out,
+                    f"{where}_in_pct": 100 * gbps_in / ref_in})
+        emit(f"  {model} {context}: request {where}: out {t_out * 1e3:.2f} ms "
+             f"({gbps_out:.1f} GB/s), in {t_in * 1e3:.2f} ms ({gbps_in:.1f} GB/s) of "
+             f"{nbytes / 1e6:.1f} MB")
+    row["exact"] = bool(exact)
+    row["prefix_hit_ms"] = row["slot_restore_ms"]
+    if with_prefill:
+        sc = prefill.Scenario(1, context, min(context, 8192))
+        pcfg = prefill.prefill_config(model, sc, kv_format)
+        prow, _ = prefill.measure(pcfg, sc, impl=prefill_impl, reps=max(1, reps // 2),
+                                  copy_gbps=copy, emit=lambda line: None)
+        row["prefill_ms"] = prow["ms_total"]
+        row["prefix_hit_speedup"] = prow["ms_total"] / row["prefix_hit_ms"]
+        emit(f"  {model} {context}: prefix hit {row['prefix_hit_ms']:.3f} ms against "
+             f"{prow['ms_total']:.1f} ms of prefill writes")
+    return row
+
+
+COLUMNS = (("context", "context", ",d"), ("bytes", "MB", "mb"),
+           ("slot_restore_ms", "slot restore ms", ".3f"), ("slot_copy_pct", "% copy", ".0f"),
+           ("device_out_GBps", "dev out GB/s", ".1f"), ("device_in_GBps", "dev in GB/s", ".1f"),
+           ("device_in_pct", "% copy", ".0f"),
+           ("host_out_GBps", "to host GB/s", ".1f"), ("host_out_pct", "% D2H", ".0f"),
+           ("host_in_GBps", "from host GB/s", ".1f"), ("host_in_pct", "% H2D", ".0f"),
+           ("prefill_ms", "prefill ms", ".1f"), ("prefix_hit_speedup", "hit speed-up", ",.0f"),
+           ("exact", "exact", "s"))
+
+
+def markdown(rows) -> str:
+    def cell(r, key, fmt):
+        if key not in r:
+            return "-"
+        if fmt == "mb":
+            return f"{r[key] / 1e6:.1f}"
+        return f"{r[key]}" if fmt == "s" else format(r[key], fmt)
+    head = "| model | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
+    for r in rows:
+        lines.append(f"| {r['model']} | " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |")
+    if rows:
+        r = rows[0]
+        lines.append(f"\ncopy {r['copy_GBps']:.0f} GB/s (read + write), device to pinned host "
+                     f"{r['d2h_GBps']:.1f} GB/s, pinned host to device {r['h2d_GBps']:.1f} GB/s "
+                     f"({r['platform']})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dsv4_jax.bench.request_state",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(PRESETS), default="flash")
+    p.add_argument("--contexts", default="4096,65536",
+                   help="comma-separated request lengths in tokens (default 4096,65536)")
+    p.add_argument("--kv-format", default="ds_fp8", choices=list(C.KV_FORMATS))
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--impl", default="auto", help="implementation of the prefill reference")
+    p.add_argument("--no-prefill", action="store_true", help="skip the prefill comparison")
+    p.add_argument("--copy-gbps", type=float, default=None,
+                   help="the device's copy rate instead of measuring it")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    args = p.parse_args(argv)
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        p.error(f"--contexts: expected comma-separated ints, got {args.contexts!r}")
+    if any(c <= 0 or c % C.BLOCK_TOKENS for c in contexts):
+        p.error(f"--contexts: expected positive multiples of {C.BLOCK_TOKENS}, got {contexts}")
+    rows = [measure(args.model, c, reps=args.reps, kv_format=args.kv_format,
+                    prefill_impl=args.impl, with_prefill=not args.no_prefill,
+                    copy_gbps=args.copy_gbps) for c in contexts]
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""snapshot / restore / read_blocks / write_blocks (dsv4_jax/request_state.py)
+on a state of random bytes: exact copies of the slot's and the blocks' bytes,
+nothing else touched, in place; bad input raises before anything changes."""
+import copy
+
+import jax
+import numpy as np
+import pytest
+
+import dsv4_jax as dj
+from dsv4_jax import request_state as rs
+from support.inplace import assert_in_place
+from support.trees import as_bytes, assert_trees_bytes_equal, poison
+
+CFG = dj.CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=12)
+
+
+def random_state(cfg=CFG, seed=0):
+    return poison(dj.init_state(cfg), seed)
+
+
+def host(tree):
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def slot_leaves(st):
+    return (st.swa, st.csa.comp, st.csa.icomp, st.hca.comp)
+
+
+@pytest.mark.parametrize("kv_format", ["ds_fp8", "fp8_token", "bf16"])
+def test_snapshot_restore_and_blocks_copy_exact_bytes_and_touch_nothing_else(kv_format):
+    cfg = CFG.replace(kv_format=kv_format)
+    st = random_state(cfg)
+    before = host(st)
+    snap = dj.snapshot(st, 2)
+    for got, full in zip(jax.tree_util.tree_leaves((snap.window, snap.csa_comp, snap.csa_icomp,
+                                                    snap.hca_comp)),
+                         jax.tree_util.tree_leaves(slot_leaves(before))):
+        assert np.array_equal(as_bytes(got), as_bytes(np.ascontiguousarray(full[:, 2])))
+    assert int(snap.length) == int(before.swa.pos[:, 2].max()) + 1
+    data = dj.read_blocks(st, [7, -1, 3])
+    st = dj.restore(st, 0, snap, block_row=[5, 9, 1])
+    st = dj.write_blocks(st, [10, -1, 4], data)
+    after = host(st)
+    for a, b in zip(jax.tree_util.tree_leaves(slot_leaves(after)),
+                    jax.tree_util.tree_leaves(slot_leaves(before))):
+        assert np.array_equal(as_bytes(a[:, 0]), as_bytes(np.ascontiguousarray(b[:, 2])))
+        assert np.array_equal(as_bytes(a[:, 1:]), as_bytes(np.ascontiguousarray(b[:, 1:])))
+    want_table = before.block_table.copy()
+    want_table[0] = -1
+    want_table[0, :3] = [5, 9, 1]
+    assert np.array_equal(after.block_table, want_table)
+    pools = lambda s: (s.csa.kv, s.csa.index, s.hca.kv)
+    for a, b in zip(jax.tree_util.tree_leaves(pools(after)), jax.tree_util.tree_leaves(pools(before))):
+        want = b.copy()
+        want[:, 10], want[:, 4] = b[:, 7], b[:, 3]
+        assert np.array_equal(as_bytes(a), as_bytes(want))
+    assert np.array_equal(after.errors, before.errors)
+
+
+def test_pinned_host_placement_and_back():
+    st = random_state()
+    snap = dj.snapshot(st, 1, memory_kind="pinned_host")
+    data = dj.read_blocks(st, [2, 3], memory_kind="pinned_host")
+    for x in jax.tree_util.tree_leaves((snap, data)):
+        assert x.sharding.memory_kind == "pinned_host"
+    want_snap, want_data = dj.snapshot(st, 1), dj.read_blocks(st, [2, 3])
+    assert_trees_bytes_equal(snap, want_snap)
+    assert_trees_bytes_equal(data, want_data)
+    st = dj.write_blocks(dj.restore(st, 3, snap), [8, 9], data)   # host copies go back
+    assert_trees_bytes_equal(dj.snapshot(st, 3), want_snap)
+    assert_trees_bytes_equal(dj.read_blocks(st, [8, 9]), want_data)
+
+
+def test_restore_and_write_blocks_run_in_place():
+    st = random_state()
+    snap, data = dj.snapshot(st, 1), dj.read_blocks(st, [2, 3])
+    restore = rs._program("restore", CFG, None)
+    row = jax.numpy.asarray(np.full(CFG.max_blocks_per_request, -1, np.int32))
+    st = assert_in_place(restore, st, jax.numpy.int32(0), snap, row)
+    write = rs._program("write_blocks", CFG, None)
+    assert_in_place(write, st, jax.numpy.asarray(np.array([5, 6], np.int32)), data)
+
+
+def test_inside_a_jitted_step():
+    st = random_state()
+    want = host(dj.restore(random_state(), 2, dj.snapshot(random_state(), 0)))
+    step = jax.jit(lambda s: dj.restore(s, 2, dj.snapshot(s, 0)), donate_argnums=0)
+    assert_trees_bytes_equal(host(step(st)), want)
+
+
+def test_bad_input_raises_and_changes_nothing():
+    st = random_state()
+    before = host(st)
+    snap = dj.snapshot(st, 0)
+    for bad in (4, -1, 1.0, True):
+        with pytest.raises(ValueError, match=r"slot: expected an int in \[0, 4\)"):
+            dj.snapshot(st, bad)
+        with pytest.raises(ValueError, match=r"slot: expected an int in \[0, 4\)"):
+            dj.restore(st, bad, snap)
+    other = dj.snapshot(dj.init_state(CFG.replace(kv_format="bf16")), 0)
+    with pytest.raises(ValueError, match="snapshot: taken from a cache of another layout"):
+        dj.restore(st, 1, other)
+    flash = dj.snapshot(dj.init_state(dj.CacheConfig((0, 4), 1, 1, 1)), 0)
+    with pytest.raises(ValueError, match="another layout .* 2 layers"):
+        dj.restore(st, 1, flash)
+    with pytest.raises(ValueError, match="block_row: expected block ids in"):
+        dj.restore(st, 1, snap, block_row=[12])
+    with pytest.raises(ValueError, match="block_row: expected at most 4"):
+        dj.restore(st, 1, snap, block_row=[0] * 5)
+    with pytest.raises(ValueError, match=r"blocks: expected ids in \[0, 12\)"):
+        dj.read_blocks(st, [12])
+    data = dj.read_blocks(st, [1, 2])
+    with pytest.raises(ValueError, match="blocks: ids must be distinct"):
+        dj.write_blocks(st, [3, 3], data)
+    with pytest.raises(ValueError, match=r"data.csa_kv.nope: expected float8_e4m3fn\[2, 3,"):
+        dj.write_blocks(st, [3, 4, 5], data)
+    assert_trees_bytes_equal(host(st), before)      # nothing was donated or written
+
+
+def manager_state(m):
+    return (list(m._free_slots), list(m._free_blocks), dict(m._refs),
+            {k: copy.deepcopy(v) for k, v in m._requests.items()}, list(m._pending_resets),
+            {k: (p.tokens, p.blocks) for k, p in m._prefixes.items()})
+
+
+def test_moves_with_bad_input_leave_manager_and_state_unchanged():
+    m = dj.CacheManager(CFG)
+    st = dj.init_state(CFG)
+    a, b = m.admit("a"), m.admit("b")
+    m.prepare_step({a: 256, b: 100})
+    key = m.cache_prefix(a, dj.snapshot(st, m.slot_of(a)))
+    parked = dj.offload(st, m, b)
+    before, state_before = manager_state(m), host(st)
+
+    def unchanged():
+        assert manager_state(m) == before
+        assert_trees_bytes_equal(host(st), state_before)
+
+    with pytest.raises(KeyError, match="no cached prefix 'nope'"):
+        dj.admit_on_prefix(st, m, "nope")
+    with pytest.raises(KeyError, match="request 'ghost' is not admitted"):
+        dj.share_prefix(st, m, "ghost")
+    with pytest.raises(ValueError, match="holds 100 tokens: a prefix is a positive multiple"):
+        dj.share_prefix(st, m, b)
+    with pytest.raises(ValueError, match="a prefix of 384 tokens is longer than request 'a'"):
+        m.cache_prefix(a, dj.snapshot(st, 0), tokens=384)
+    with pytest.raises(ValueError, match="tokens: expected a positive multiple of 128"):
+        m.cache_prefix(a, dj.snapshot(st, 0), tokens=100)
+    with pytest.raises(ValueError, match="another layout"):
+        m.cache_prefix(a, dj.snapshot(dj.init_state(CFG.replace(kv_format="bf16")), 0))
+    occupied = m.slot_of(a)
+    with pytest.raises(ValueError, match=f"slot: {occupied} is occupied by request 'a'"):
+        dj.admit_on_prefix(st, m, key, slot=occupied)
+    with pytest.raises(ValueError, match=f"slot: {occupied} is occupied by request 'a'"):
+        dj.resume(st, m, parked, slot=occupied)
+    with pytest.raises(ValueError, match="request_id: 'a' is already admitted"):
+        dj.resume(st, m, parked, "a")
+    other = dj.init_state(CFG.replace(kv_format="bf16"))
+    bad = dj.OffloadedRequest(dj.snapshot(other, 0), parked.blocks, parked.num_blocks,
+                              parked.length)
+    with pytest.raises(ValueError, match="snapshot: taken from a cache of another layout"):
+        dj.resume(st, m, bad)
+    with pytest.raises(ValueError, match="parked: holds 1 of 1 blocks for 200 tokens, expected 2"):
+        dj.resume(st, m, dj.OffloadedRequest(parked.snapshot, parked.blocks, 1, 200))
+    arrays = dj.export_request(st, m, b)
+    with pytest.raises(ValueError, match="exported from a cache of another layout"):
+        dj.import_request(other, dj.CacheManager(CFG.replace(kv_format="bf16")),
+                          {**arrays, "kv_format": np.asarray("ds_fp8"),
+                           "compress_ratios": np.asarray([0, 4], np.int32)})
+    with pytest.raises(ValueError, match=r"arrays\['snapshot.window.pos'\]: expected int32"):
+        dj.import_request(st, m, {**arrays, "snapshot.window.pos": arrays["snapshot.window.pos"][:1]})
+    unchanged()
+    full = dj.CacheManager(CFG)
+    for r in range(3):
+        full.admit(r)
+        full.prepare_step({r: 512 - 128 * (r == 2) * 2})   # 4 + 4 + 2 blocks
+    was = manager_state(full)
+    with pytest.raises(dj.CacheFullError, match="request of 512 tokens needs 4 blocks, only 2 of 12"):
+        full.admit_restored(512)
+    assert manager_state(full) == was
