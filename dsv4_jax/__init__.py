@@ -96,6 +96,7 @@ from .memory import memory_report
 from .meta import StepMeta
 from .ops._dispatch import default_impl
 from .ops.append import append
+from .ops.attention import attention
 from .ops.apply_step import apply_step
 from .ops.flush import flush
 from .ops.gather import gather_all, gather_topk, gather_window
@@ -110,6 +111,6 @@ __all__ = [
     "ErrorKind", "check_errors", "reset_errors", "check_donated", "NotDonatedWarning",
     "memory_report", "CompressorParams", "yarn_inv_freq",
     "default_impl", "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
-    "indexer_topk", "write_layer",
+    "indexer_topk", "write_layer", "attention",
 ]
 __version__ = "0.1.0"
