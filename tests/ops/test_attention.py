@@ -260,3 +260,63 @@ def test_argument_errors():
         D.attention(state, jnp.int32(0), q, s, p, sink=sink)
     with pytest.raises(ValueError, match="kind"):
         D.attention(state, 0, q, s, p, sink=sink, kind="hca")
+
+
+# ---- implementations against each other -------------------------------------------------------
+def _available():
+    impls = [("reference", jax.devices("cpu")[0])]
+    from dsv4_jax import _ffi
+    if _ffi.has_target("cpu", "dsv4_attention"):
+        impls.append(("cpu", jax.devices("cpu")[0]))
+    try:
+        if jax.devices("cuda") and _ffi.has_target("cuda", "dsv4_attention"):
+            impls.append(("cuda", jax.devices("cuda")[0]))
+    except RuntimeError:
+        pass
+    return impls
+
+
+@pytest.mark.parametrize("mode", ["decode", "chunk"])
+@pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
+def test_implementations_agree(kind, mode):
+    """Every implementation available here on one input: pairwise within
+    2^-5 * M (each is within 2^-6 * M of exact); the reference and the CPU
+    handler share every rounding point and differ only in fp32 summation
+    order, so almost all their outputs are the same bf16 value."""
+    rng = np.random.default_rng(21)
+    fmt = "ds_fp8"
+    if mode == "decode":
+        lengths = {0: 3, 1: 129, 2: 640, 3: 1000}
+        state = AO.random_state(fmt, lengths, seed=11)
+        slot, pos = decode_batch(rng, lengths, 32)
+        chunk = None
+    else:
+        before, sizes = {0: 60, 2: 500}, {0: 100, 2: 40}
+        state = AO.random_state(fmt, before, seed=12,
+                                capacity={s: before[s] + sizes[s] for s in before})
+        slot, pos = chunk_rows(rng, before, sizes, interleave=True)
+        chunk = bf16(rng.standard_normal((len(slot), 512)))
+    H = 16
+    q = queries(rng, len(slot), H)
+    sink = rng.normal(0, 1, H).astype(np.float32)
+    topk = picks(rng, pos, 32) if kind == "csa" else None
+    _, _, M, _ = AO.attention(state, LAYER[kind], q, slot, pos, sink, topk, chunk, INV_FREQ)
+    outs = {}
+    for impl, dev in _available():
+        put = lambda x: None if x is None else jax.device_put(x, dev)
+        out, lse = jax.jit(lambda st, q_, s_, p_, sk, tk, ck, fr: D.attention(
+            st, LAYER[kind], q_, s_, p_, sink=sk, topk=tk, chunk_kv=ck, rope_inv_freq=fr,
+            impl=impl, return_state=False))(jax.device_put(state, dev), *map(put, (
+                q, slot, pos, sink, topk, chunk, INV_FREQ)))
+        outs[impl] = (np.asarray(out, np.float32), np.asarray(lse))
+    names = list(outs)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            diff = np.abs(outs[a][0] - outs[b][0])
+            assert np.all(diff <= 2 * BOUND * M[:, None, None] + 1e-30), (a, b, diff.max())
+            fin = np.isfinite(outs[a][1])
+            np.testing.assert_array_equal(fin, np.isfinite(outs[b][1]))
+            np.testing.assert_allclose(outs[a][1][fin], outs[b][1][fin], rtol=1e-5, atol=1e-5)
+    if "cpu" in outs:
+        same = outs["cpu"][0] == outs["reference"][0]
+        assert same.mean() > 0.98, same.mean()

@@ -39,8 +39,12 @@ def _decoded(entries, fmt):
 
 
 def stored(rows_bf16, fmt):
-    """What append stores for bf16 rows [..., 512], read back (float64)."""
-    return oracle.decode_kv(oracle.encode_kv(np.asarray(rows_bf16), fmt), fmt).astype(np.float64)
+    """What append stores for bf16 rows [..., 512], read back (float64); a
+    row holding NaN or Inf (never stored: append drops it) reads as NaN."""
+    rows = np.asarray(rows_bf16)
+    finite = np.all(np.isfinite(rows.astype(np.float32)), axis=-1, keepdims=True)
+    back = oracle.decode_kv(oracle.encode_kv(np.where(finite, rows, 0), fmt), fmt)
+    return np.where(finite, back.astype(np.float64), np.nan)
 
 
 def attention(state, layer: int, q, slot, pos, sink, topk=None, chunk_kv=None, inv_freq=None):
