@@ -16,12 +16,18 @@ import dsv4_jax as D
 from dsv4_jax.errors import ErrorKind as EK
 
 from support import attention_oracle as AO
-from support.marks import every_impl
+from support.marks import CUDA, every_impl
 from support.tiny_step import errs
 
 FORMATS = ("ds_fp8", "fp8_token", "bf16")
 LAYER = {"swa": 0, "csa": 1, "hca": 2}          # CacheConfig.tiny(): SWA, CSA, HCA, CSA
 BOUND = 2.0 ** -6
+
+
+def CUDA_MARKS(fn):
+    for mark in CUDA:
+        fn = mark(fn)
+    return fn
 INV_FREQ = np.asarray(D.yarn_inv_freq(), np.float32)
 
 
@@ -225,6 +231,22 @@ def test_prefill_chunk_equals_decoding_one_by_one(kind, impl_under_test):
         np.testing.assert_allclose(np.asarray(lse), step_lse, rtol=1e-5, atol=1e-5)
 
 
+@every_impl
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_flash_shapes_many_requests(kind):
+    """V4-Flash's 64 heads (four head groups on CUDA) and k = 512 (more items
+    than one pass of the CUDA kernel), eight requests up to 4k tokens."""
+    rng = np.random.default_rng(9)
+    lengths = {s: int(n) for s, n in enumerate(rng.integers(1, 4096, 8))}
+    lengths[0] = 4096
+    state = AO.random_state("ds_fp8", lengths, R=8, max_context=4096, seed=10)
+    slot, pos = decode_batch(rng, lengths, 512, pads=1)
+    H = 64
+    topk = picks(rng, pos, 512) if kind == "csa" else None
+    check(state, LAYER[kind], queries(rng, len(slot), H), slot, pos,
+          rng.normal(0, 1, H).astype(np.float32), topk)
+
+
 @pytest.mark.slow
 @every_impl
 def test_prefill_4k_chunk():
@@ -279,6 +301,17 @@ def _available():
 @pytest.mark.parametrize("mode", ["decode", "chunk"])
 @pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
 def test_implementations_agree(kind, mode):
+    _agree(kind, mode)
+
+
+@pytest.mark.parametrize("mode", ["decode", "chunk"])
+@pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
+@CUDA_MARKS
+def test_cuda_agrees_with_cpu_handler_and_reference(kind, mode):
+    _agree(kind, mode)
+
+
+def _agree(kind, mode):
     """Every implementation available here on one input: pairwise within
     2^-5 * M (each is within 2^-6 * M of exact); the reference and the CPU
     handler share every rounding point and differ only in fp32 summation
