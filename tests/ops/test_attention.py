@@ -16,7 +16,7 @@ import dsv4_jax as D
 from dsv4_jax.errors import ErrorKind as EK
 
 from support import attention_oracle as AO
-from support.marks import CUDA, every_impl
+from support.marks import CUDA, every_impl, requires_cpu_ffi
 from support.tiny_step import errs
 
 FORMATS = ("ds_fp8", "fp8_token", "bf16")
@@ -353,3 +353,45 @@ def _agree(kind, mode):
     if "cpu" in outs:
         same = outs["cpu"][0] == outs["reference"][0]
         assert same.mean() > 0.98, same.mean()
+
+
+# ---- sharding ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["reference", pytest.param("cpu", marks=requires_cpu_ffi)])
+def test_sharded_equals_each_shard_alone(impl):
+    """Under shard_map over 2 CPU devices each shard attends over its own
+    requests and blocks (shard-local slots) exactly as an unsharded state of
+    that shard does; errors land in the shard's own counters."""
+    from jax.sharding import Mesh
+    from dsv4_jax.sharding import shard_config, state_sharding
+    from support.sharding import unshard
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = Mesh(np.array(devices[:2]), ("data",))
+    local = [AO.random_state("ds_fp8", {0: 300, 1: 140}, R=2, max_context=512, seed=30),
+             AO.random_state("ds_fp8", {1: 520 - 8}, R=2, max_context=512, seed=31)]
+    cfg = shard_config(D.CacheConfig.tiny(max_requests=4, max_context=512), mesh, "data")
+    specs = jax.tree_util.tree_leaves(D.sharding.state_specs(cfg))
+    leaves = [np.concatenate([np.asarray(a), np.asarray(b)], axis=0 if spec[0] == "data" else 1)
+              for a, b, spec in zip(jax.tree_util.tree_leaves(local[0]),
+                                    jax.tree_util.tree_leaves(local[1]), specs)]
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(D.init_state(cfg)), leaves)
+    state = jax.device_put(state, state_sharding(cfg, mesh))
+    rng = np.random.default_rng(32)
+    slot = np.int32([0, 1, -1, 1, 5, 1])                  # 3 rows per shard, local slots
+    pos = np.int32([299, 139, 0, 511, 3, 200])
+    H = 4
+    q, sink = queries(rng, 6, H), rng.normal(0, 1, H).astype(np.float32)
+    topk = picks(rng, pos, 8)
+    with jax.set_mesh(mesh):
+        out, lse, st = jax.jit(lambda st, *a: D.attention(
+            st, 1, *a[:3], sink=a[3], topk=a[4], rope_inv_freq=a[5], impl=impl))(
+                state, *map(jnp.asarray, (q, slot, pos, sink, topk, INV_FREQ)))
+    for k, (alone, got_state) in enumerate(zip(local, unshard(st, cfg))):
+        rows = slice(3 * k, 3 * k + 3)
+        want, want_lse, want_st = D.attention(
+            alone, 1, *map(jnp.asarray, (q[rows], slot[rows], pos[rows])), sink=jnp.asarray(sink),
+            topk=jnp.asarray(topk[rows]), rope_inv_freq=jnp.asarray(INV_FREQ), impl=impl)
+        np.testing.assert_array_equal(np.asarray(out)[rows], np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(lse)[rows], np.asarray(want_lse))
+        np.testing.assert_array_equal(np.asarray(got_state.errors), np.asarray(want_st.errors))
