@@ -395,3 +395,44 @@ def test_sharded_equals_each_shard_alone(impl):
         np.testing.assert_array_equal(np.asarray(out)[rows], np.asarray(want))
         np.testing.assert_array_equal(np.asarray(lse)[rows], np.asarray(want_lse))
         np.testing.assert_array_equal(np.asarray(got_state.errors), np.asarray(want_st.errors))
+
+
+@every_impl
+@pytest.mark.parametrize("mode", ["decode", "chunk"])
+def test_bad_rows_act_as_padding(mode):
+    """Rows with a bad slot or a bad position give what the same call with
+    those rows as padding gives, bit for bit, for every other row (in a chunk
+    too: such a row is no window row of anyone); a row with a non-finite q
+    drops only its own query (its kv is still a chunk row others see, as
+    append stores it). Each counts once."""
+    rng = np.random.default_rng(40)
+    before = {0: 200, 1: 0}
+    state = AO.random_state("ds_fp8", before, seed=41, capacity={0: 260, 1: 60})
+    slot, pos = chunk_rows(rng, before, {0: 60, 1: 50}, interleave=True)
+    T, H = len(slot), 4
+    q = queries(rng, T, H)
+    chunk = bf16(rng.standard_normal((T, 512))) if mode == "chunk" else None
+    sink = rng.normal(0, 1, H).astype(np.float32)
+    topk = picks(rng, pos, 8)
+    bad = rng.choice(np.flatnonzero(slot >= 0), 9, replace=False)
+    bslot, bpos, bq = slot.copy(), pos.copy(), q.copy()
+    bslot[bad[:3]] = [4, 99, -7]                        # BAD_SLOT
+    bpos[bad[3:6]] = [-1, 1024, 2 ** 31 - 1]            # BAD_POSITION
+    bq[bad[6:], 1, 5] = [np.nan, np.inf, -np.inf]       # NONFINITE
+    pslot = slot.copy()
+    pslot[bad[:6]] = -1
+    f = jax.jit(lambda st, q_, s_, p_: D.attention(
+        st, 1, q_, s_, p_, sink=jnp.asarray(sink), topk=jnp.asarray(topk),
+        chunk_kv=None if chunk is None else jnp.asarray(chunk),
+        rope_inv_freq=jnp.asarray(INV_FREQ)))
+    out, lse, st = f(state, *map(jnp.asarray, (bq, bslot, bpos)))
+    pout, plse, pst = f(state, *map(jnp.asarray, (q, pslot, pos)))
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    others = np.setdiff1d(np.arange(T), bad[6:])
+    np.testing.assert_array_equal(out[others], np.asarray(pout, np.float32)[others])
+    np.testing.assert_array_equal(lse[others], np.asarray(plse)[others])
+    assert not out[bad].any() and np.all(lse[bad] == -np.inf)
+    got, want = errs(st), errs(pst)
+    for kind, n in ((EK.BAD_SLOT, 3), (EK.BAD_POSITION, 3), (EK.NONFINITE, 3)):
+        assert got.pop(kind) == n
+    assert got == want
