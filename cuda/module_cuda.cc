@@ -20,6 +20,7 @@ NB_MODULE(_dsv4_cuda, m) {
     targets["dsv4_gather_window"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherWindowCuda));
     targets["dsv4_gather_topk"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherTopkCuda));
     targets["dsv4_gather_all"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherAllCuda));
+    targets["dsv4_attention"] = nb::capsule(reinterpret_cast<void*>(dsv4::AttentionCuda));
     return targets;
   });
 }

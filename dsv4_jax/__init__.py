@@ -55,6 +55,12 @@ shard after shard, holding shard-local slots (`manager.slot_of(request)`).
 
 From the reads to attention:
 
+`attention(state, layer, q, meta.token_slot, meta.token_pos, sink=...,
+topk=..., chunk_kv=..., rope_inv_freq=...)` does everything below in one
+call, reading the entries straight from the pools (no dense copy);
+docs/design.md §6 gives its rows, rounding points and error bound. By
+hand, with the gathers:
+
 DeepSeek-V4 attention has one 512-wide KV head that serves as key and value
 (K = V) for every query head; the trailing 64 channels of every entry carry
 RoPE at the entry's position. For the query of a token at position `t`
@@ -83,8 +89,9 @@ Per head h, with every key's mask: `logits = q_h . key / sqrt(512)`
 value (`layers.{i}.attn.attn_sink`, f32[H], in the official checkpoint).
 Then rotate the trailing 64 channels of `out_h` back by the query's position
 (inverse RoPE), as the official code does, since the values carry RoPE too.
-examples/decode_loop.py does all of this in a jitted decode step, and
-tests/test_example.py checks it against a dense float64 attention.
+examples/decode_loop.py calls `attention` in jitted prefill and decode
+steps, and tests/test_example.py checks it against a dense float64
+attention.
 """
 from . import _ffi  # registers the FFI targets of the compiled modules
 from . import sharding
@@ -97,6 +104,7 @@ from .memory import memory_report
 from .meta import StepMeta
 from .ops._dispatch import default_impl
 from .ops.append import append
+from .ops.attention import attention
 from .ops.apply_step import apply_step
 from .ops.flush import flush
 from .ops.gather import gather_all, gather_topk, gather_window
@@ -115,7 +123,7 @@ __all__ = [
     "ErrorKind", "check_errors", "reset_errors", "check_donated", "NotDonatedWarning",
     "memory_report", "CompressorParams", "yarn_inv_freq",
     "default_impl", "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
-    "indexer_topk", "write_layer",
+    "indexer_topk", "write_layer", "attention",
     "RequestSnapshot", "RequestBlocks", "snapshot", "restore", "read_blocks", "write_blocks",
     "OffloadedRequest", "share_prefix", "admit_on_prefix", "offload", "preempt", "resume",
     "export_request", "import_request",

@@ -1,7 +1,7 @@
 """A toy DeepSeek-V4 attention block on top of the dsv4_jax cache.
 
 Shows exactly where a model calls the cache: one jitted, donated step per
-token batch that does
+token batch. A decode step (one token per request) does
 
     apply_step                      once per step (new blocks, reset slots)
     per layer:
@@ -9,18 +9,28 @@ token batch that does
                                     window) and, on CSA / HCA layers, flush
                                     (compressor projections -> compressed entries)
                                     in one call
-      gather_window                 the last 128 entries of each request
       indexer_topk   (CSA)          the lightning indexer's top-k entries
-      gather_topk    (CSA)          the entries the indexer picked
-      gather_all     (HCA)          every compressed entry
-      attention                     window + compressed entries + attention sink
+      attention                     window + the picked (CSA) or all (HCA)
+                                    entries + the attention sink, read straight
+                                    from the cache
+
+and a prefill step (a chunk of each prompt) the same, except that the
+window rows of the chunk are attended before they are appended:
+
+      flush          (CSA / HCA)    the entries the chunk closes
+      indexer_topk   (CSA)
+      attention(chunk_kv=kv)        the ring before the chunk + the chunk's own
+                                    rows, as append will store them
+      append                        the chunk's rows into the window
 
 Weights are random and small (4 query heads, a 128-wide hidden state, the
 tiny 4-layer pattern SWA, CSA, HCA, CSA; the indexer has the real 64 heads
-of 128 channels, which indexer_topk expects). To stay short, every layer reads the
-same token embeddings instead of a residual stream, so prefill only has to
-write the cache (a real model also needs the prompt's attention outputs to
-feed the next layer).
+of 128 channels, which indexer_topk expects). q and the window rows are
+roped as the model does (plain RoPE on SWA layers, the YaRN compress rope on
+CSA / HCA layers), and attention rotates its output back. To stay short,
+every layer reads the same token embeddings instead of a residual stream;
+the prefill steps still compute every prompt token's attention output, as a
+model needs them for its next layer.
 
     python examples/decode_loop.py
 """
@@ -103,12 +113,44 @@ def rms_norm(x, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+def rope_inv_freq(kind):
+    """The layer's RoPE frequencies: plain theta 10000 on SWA layers, the
+    YaRN compress rope (the compressors' too) on CSA and HCA layers."""
+    if kind == C.SWA:
+        return jnp.asarray(1.0 / 10000.0 ** (np.arange(0, C.ROPE_DIM, 2) / C.ROPE_DIM),
+                           jnp.float32)
+    return jnp.asarray(dj.yarn_inv_freq())
+
+
+def rope(x, pos, inv_freq):
+    """Interleaved RoPE on the trailing 64 channels of x [T, ..., 512] at
+    positions pos [T], in f32, rounded to bf16."""
+    ang = pos.astype(jnp.float32).reshape((-1,) + (1,) * (x.ndim - 1)) * inv_freq
+    c, s = jnp.cos(ang), jnp.sin(ang)
+    r = x[..., C.NOPE_DIM:].astype(jnp.float32).reshape(x.shape[:-1] + (C.ROPE_DIM // 2, 2))
+    a, b = r[..., 0], r[..., 1]
+    r = jnp.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(x.shape[:-1] + (C.ROPE_DIM,))
+    return jnp.concatenate([x[..., :C.NOPE_DIM], r.astype(x.dtype)], axis=-1).astype(jnp.bfloat16)
+
+
+def window_kv(x, pos, w, kind):
+    """The window row of each token: normed, roped, bf16."""
+    return rope(rms_norm(x @ w["wkv"]).astype(jnp.bfloat16), pos, rope_inv_freq(kind))
+
+
+def query(x, pos, w, kind):
+    """q [T, H, 512]: projected, RMS-normed per head (unweighted, as the
+    model's q_b_norm), roped."""
+    return rope(rms_norm(jnp.einsum("td,dhc->thc", x, w["wq"])).astype(jnp.bfloat16), pos,
+                rope_inv_freq(kind))
+
+
 def write_cache(state, meta, x, weights, params, layer):
     """The cache writes of one layer, in one call: the projections, then
     write_layer (append, and flush on a CSA or HCA layer)."""
     kind = state.config.layer_kinds[layer]
     w = weights[layer]
-    kv = rms_norm(x @ w["wkv"]).astype(jnp.bfloat16)      # (a real model also ropes it)
+    kv = window_kv(x, meta.token_pos, w, kind)
     if kind == C.CSA:
         return dj.write_layer(state, layer, meta, kv, x @ w["wc_kv"], x @ w["wc_score"],
                               params[layer], index_kv=x @ w["wi_kv"],
@@ -131,56 +173,56 @@ def indexer_topk(state, layer, meta, x, w, k):
                            q.astype(jnp.bfloat16), x @ w["wi_w"], k)   # (indices, state)
 
 
-def attention(q, kv, ok, sink):
-    """Softmax attention of q [T, H, 512] over kv [T, S, 512] (K = V) where
-    ok [T, S], with a learned per-head sink logit that takes probability mass
-    but adds no value."""
-    logits = jnp.einsum("thd,tsd->ths", q, kv.astype(jnp.float32)) / math.sqrt(D)
-    logits = jnp.where(ok[:, None, :], logits, -jnp.inf)
-    m = jnp.maximum(jnp.max(logits, axis=-1), sink[None, :])                 # [T, H]
-    p = jnp.exp(logits - m[..., None])
-    denom = jnp.sum(p, axis=-1) + jnp.exp(sink[None, :] - m)
-    return jnp.einsum("ths,tsd->thd", p, kv.astype(jnp.float32)) / denom[..., None]
+def attend(state, layer, meta, x, w, chunk_kv=None):
+    """The layer's attention straight from the cache: out bf16[T, H, 512]
+    with the RoPE channels rotated back, and the CSA picks (or None)."""
+    cfg = state.config
+    kind = cfg.layer_kinds[layer]
+    picks = None
+    if kind == C.CSA:
+        picks, state = indexer_topk(state, layer, meta, x, w, cfg.index_topk)
+    out, _, state = dj.attention(state, layer, query(x, meta.token_pos, w, kind), meta.token_slot,
+                                 meta.token_pos, sink=w["sink"], topk=picks, chunk_kv=chunk_kv,
+                                 rope_inv_freq=rope_inv_freq(kind))
+    return state, out, picks
 
 
 def prefill_step(state, meta, x, weights, params):
-    """Prompt chunks: cache writes only (see the module docstring)."""
+    """Prompt chunks: per layer the entries the chunk closes, attention over
+    the ring before the chunk plus the chunk itself, then the append.
+    Returns the state, the attention output f32[L, T, H, 512] of every chunk
+    token and the CSA picks."""
     state = dj.apply_step(state, meta)
-    for layer in range(state.config.num_layers):
-        state = write_cache(state, meta, x, weights, params, layer)
-    return state
+    outs, picks = [], {}
+    for layer, kind in enumerate(state.config.layer_kinds):
+        w = weights[layer]
+        if kind == C.CSA:
+            state = dj.flush(state, layer, meta, x @ w["wc_kv"], x @ w["wc_score"], params[layer],
+                             index_kv=x @ w["wi_kv"], index_score=x @ w["wi_score"])
+        elif kind == C.HCA:
+            state = dj.flush(state, layer, meta, x @ w["wc_kv"], x @ w["wc_score"], params[layer])
+        kv = window_kv(x, meta.token_pos, w, kind)
+        state, out, idx = attend(state, layer, meta, x, w, chunk_kv=kv)
+        state = dj.append(state, layer, meta, kv)
+        outs.append(out.astype(jnp.float32))
+        if idx is not None:
+            picks[layer] = idx
+    return state, jnp.stack(outs), picks
 
 
 def decode_step(state, meta, x, weights, params):
-    """One token per request: write, gather, attend. Returns the state, the
+    """One token per request: write, attend. Returns the state, the
     attention output f32[L, T, H, 512] and the top-k picks of CSA layers."""
-    cfg = state.config
-    slot, pos = meta.token_slot, meta.token_pos
-    length = jnp.where(slot >= 0, meta.lengths[jnp.clip(slot, 0, cfg.max_requests - 1)], 0)
     state = dj.apply_step(state, meta)
     outs, picks = [], {}
-    for layer, kind in enumerate(cfg.layer_kinds):
-        w = weights[layer]
+    for layer in range(state.config.num_layers):
         state = write_cache(state, meta, x, weights, params, layer)
-        # sliding window: after this step's append it ends at the token itself
-        # each read returns the state too (its error counts): threading it on
+        # each op returns the state too (its error counts): threading it on
         # keeps every cache op in place, with no copies between them
-        win, wpos, state = dj.gather_window(state, layer, slot)          # [T, 128, 512]
-        win_ok = (wpos >= 0) & (wpos <= pos[:, None]) & (wpos > pos[:, None] - C.WINDOW)
-        if kind == C.CSA:
-            idx, state = indexer_topk(state, layer, meta, x, w, cfg.index_topk)
-            comp, comp_ok, state = dj.gather_topk(state, layer, slot, pos, idx)  # [T, k, 512]
+        state, out, idx = attend(state, layer, meta, x, weights[layer])
+        outs.append(out.astype(jnp.float32))
+        if idx is not None:
             picks[layer] = idx
-        elif kind == C.HCA:
-            comp, count, state = dj.gather_all(state, layer, slot, length,
-                                               cfg.max_blocks_per_request)
-            comp_ok = jnp.arange(comp.shape[1])[None, :] < count[:, None]
-        else:
-            comp = jnp.zeros((x.shape[0], 1, D), jnp.bfloat16)
-            comp_ok = jnp.zeros((x.shape[0], 1), bool)
-        q = jnp.einsum("td,dhc->thc", x, w["wq"])                     # (a real model ropes q)
-        outs.append(attention(q, jnp.concatenate([win, comp], axis=1),
-                              jnp.concatenate([win_ok, comp_ok], axis=1), w["sink"]))
     return state, jnp.stack(outs), picks
 
 
@@ -192,6 +234,8 @@ class Result:
     out: np.ndarray       # last decode step: f32[L, requests, H, 512]
     picks: dict           # CSA layer -> i32[requests, k] of the last decode step
     config: dj.CacheConfig
+    prompt_out: np.ndarray   # each request's last prompt token (prefill): f32[L, requests, H, 512]
+    prompt_picks: dict       # CSA layer -> i32[requests, k] of those tokens
 
 
 def run(settings: Settings = Settings(), verbose: bool = True) -> Result:
@@ -222,11 +266,20 @@ def run(settings: Settings = Settings(), verbose: bool = True) -> Result:
 
     # chunked prefill; fixed padded sizes keep it to one compilation
     pads = dict(min_tokens=B * settings.chunk, min_new_blocks=4 * B, min_resets=B)
+    prompt_out = np.zeros((cfg.num_layers, B, HEADS, D), np.float32)
+    prompt_picks = {}
     while any(manager.length_of(r) < p for r, p in zip(reqs, settings.prompts)):
         take = {r: min(settings.chunk, p - manager.length_of(r))
                 for r, p in zip(reqs, settings.prompts)}
         meta = manager.prepare_step(take, **pads)
-        state = prefill(state, meta, rows(meta), weights, params)
+        state, out, picks = prefill(state, meta, rows(meta), weights, params)
+        for i, (r, p) in enumerate(zip(reqs, settings.prompts)):
+            if take[r] and manager.length_of(r) == p:     # this chunk ends the prompt
+                last = manager.token_rows(r).stop - 1
+                prompt_out[:, i] = np.asarray(out)[:, last]
+                for layer, idx in picks.items():
+                    prompt_picks.setdefault(layer, np.zeros((B, idx.shape[1]), np.int32))
+                    prompt_picks[layer][i] = np.asarray(idx)[last]
 
     # decode: one token per request per step
     for _ in range(settings.decode_steps):
@@ -244,7 +297,7 @@ def run(settings: Settings = Settings(), verbose: bool = True) -> Result:
             print(f"layer {layer} ({kind.upper()}): attention output {o.shape}, "
                   f"rms {np.sqrt(np.mean(o ** 2)):.4f}, head 0 of request 0 starts "
                   f"{np.array2string(o[0, 0, :4], precision=4)}")
-    return Result(weights_np, tokens, out, picks, cfg)
+    return Result(weights_np, tokens, out, picks, cfg, prompt_out, prompt_picks)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherWindowCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherTopkCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherAllCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IndexerTopkCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCpu);
 // Test-only (the testing module registers them, the ops module does not):
 // flush with every request on the serial walk, the window plan's oracle.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlushCsaSerialCpu);

@@ -25,6 +25,7 @@ NB_MODULE(_dsv4_cpu, m) {
     targets["dsv4_gather_topk"] = Capsule(dsv4::GatherTopkCpu);
     targets["dsv4_gather_all"] = Capsule(dsv4::GatherAllCpu);
     targets["dsv4_indexer_topk"] = Capsule(dsv4::IndexerTopkCpu);
+    targets["dsv4_attention"] = Capsule(dsv4::AttentionCpu);
     return targets;
   });
 }

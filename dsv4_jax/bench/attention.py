@@ -1,0 +1,175 @@
+"""Benchmark of `attention` (issue 39): V4-Flash decode shapes (H = 64, top-k
+512, window 128) on a CSA and an HCA layer at B requests x context, and a
+prefill chunk, each against the same work done as today's path in the same
+run: gather_window + gather_topk / gather_all + jax.nn.dot_product_attention
+(decode), the jnp reference (prefill: gathers + dense attention).
+
+Per case: microseconds per call; bytes read (entries visited x 583 + q + out)
+against the device copy rate of the run (BenchRun.copy_seconds, the same
+bytes); FLOPs (4 * H * 512 per entry visited: QK and PV) against the
+tensor-core peak given (--peak-tflops, an H100 SXM's dense bf16 by default).
+
+    python benchmarks/bench_attention.py --json attention.json
+    python benchmarks/bench_attention.py --quick          # CPU-sized smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import config as C
+from ..config import CacheConfig
+from ..ops.attention import attention
+from ..ops.gather import gather_all, gather_topk, gather_window
+from ..params import yarn_inv_freq
+from .filled_state import filled_state
+from .timing import BenchRun, Settings
+
+ENTRY_BYTES = 583                         # a ds_fp8 entry
+H100_BF16_TFLOPS = 989.0                  # dense bf16 tensor-core peak, H100 SXM
+LAYER = {"csa": 1, "hca": 2}              # in the (SWA, CSA, HCA, CSA) test pattern
+
+
+def _inputs(rng, T, H, k, pos):
+    q = rng.standard_normal((T, H, C.HEAD_DIM)).astype(np.float32)
+    q /= np.sqrt(np.mean(q * q, axis=-1, keepdims=True))
+    picks = np.full((T, k), -1, np.int32)
+    for t, p in enumerate(pos):
+        n = (int(p) + 1) // C.CSA_RATIO
+        take = rng.choice(n, size=min(k, n), replace=False)
+        picks[t, :len(take)] = take
+    return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(picks),
+            jnp.asarray(rng.normal(0, 1, H), jnp.float32))
+
+
+def baseline(state, layer, kind, q, slot, pos, sink, topk, inv_freq, max_entries):
+    """Today's path: dense gathers, then jax.nn.dot_product_attention over
+    window + entries + one zero row whose bias is the sink (K = V, one KV
+    head), then the inverse RoPE of the output."""
+    win, wpos = gather_window(state, layer, slot, return_state=False)
+    ok = (wpos >= 0) & (wpos <= pos[:, None]) & (wpos > pos[:, None] - C.WINDOW)
+    if kind == "csa":
+        comp, comp_ok = gather_topk(state, layer, slot, pos, topk, return_state=False)
+    else:
+        length = jnp.where(slot >= 0, pos + 1, 0)
+        comp, count = gather_all(state, layer, slot, length, max_entries, return_state=False)
+        comp_ok = jnp.arange(comp.shape[1])[None, :] < count[:, None]
+    T, H = q.shape[:2]
+    zero = jnp.zeros((T, 1, C.HEAD_DIM), jnp.bfloat16)
+    kv = jnp.concatenate([win, comp, zero], axis=1)[:, :, None, :]          # [T, S, 1, 512]
+    seen = jnp.concatenate([ok, comp_ok, jnp.ones((T, 1), bool)], axis=1)
+    S = kv.shape[1]
+    bias = jnp.zeros((T, H, 1, S), jnp.float32).at[:, :, 0, -1].set(sink[None, :])
+    out = jax.nn.dot_product_attention(q[:, None], kv, kv, bias=bias.astype(jnp.bfloat16),
+                                       mask=seen[:, None, None, :])[:, 0]
+    o = out[..., C.NOPE_DIM:].astype(jnp.float32).reshape(T, H, C.ROPE_DIM // 2, 2)
+    ang = pos.astype(jnp.float32)[:, None, None] * inv_freq[None, None, :]
+    c, s = jnp.cos(ang), jnp.sin(ang)
+    a, b = o[..., 0], o[..., 1]
+    rope = jnp.stack([a * c + b * s, b * c - a * s], -1).reshape(T, H, C.ROPE_DIM)
+    return jnp.concatenate([out[..., :C.NOPE_DIM], rope.astype(jnp.bfloat16)], axis=-1)
+
+
+def _rel_diff(got, want):
+    """Largest |got - want| over the largest |want|: the two paths computed
+    the same thing (bf16 outputs: a few 2^-9 at most)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def _row(case, us, visited, T, H, copy_s):
+    nbytes = visited * ENTRY_BYTES + 2 * T * H * C.HEAD_DIM * 2
+    flops = 4.0 * H * C.HEAD_DIM * visited
+    return dict(case, us=us, bytes_read=nbytes, gbps=nbytes / us / 1e3,
+                copy_frac=(copy_s * 1e6) / us, tflops=flops / us / 1e6)
+
+
+def bench_decode(b, batches, contexts, kinds, H, k, peak):
+    rng = np.random.default_rng(0)
+    inv = jnp.asarray(yarn_inv_freq())
+    for ctx in contexts:
+        for B in batches:
+            cfg = CacheConfig.tiny(max_requests=B, max_context=ctx)
+            state = filled_state(cfg, ctx)
+            slot = jnp.arange(B, dtype=jnp.int32)
+            pos = jnp.full((B,), ctx - 1, jnp.int32)
+            q, topk, sink = _inputs(rng, B, H, k, np.full(B, ctx - 1))
+            for kind in kinds:
+                layer = LAYER[kind]
+                tk = topk if kind == "csa" else None
+                fused = jax.jit(lambda st, q_, tk_: attention(
+                    st, layer, q_, slot, pos, sink=sink, topk=tk_, rope_inv_freq=inv,
+                    return_state=False))
+                base = jax.jit(lambda st, q_, tk_: baseline(
+                    st, layer, kind, q_, slot, pos, sink, tk_, inv, cfg.max_blocks_per_request))
+                visited = B * (C.WINDOW + (k if kind == "csa" else ctx // C.HCA_RATIO))
+                us = b.time(lambda i: fused(state, q, tk), 1) * 1e6
+                base_us = b.time(lambda i: base(state, q, tk), 1) * 1e6
+                nbytes = visited * ENTRY_BYTES + 2 * B * H * C.HEAD_DIM * 2
+                row = _row(dict(op="attention", mode="decode", kind=kind, B=B, context=ctx),
+                           us, visited, B, H, b.copy_seconds(nbytes))
+                row.update(peak_frac=row["tflops"] / peak, baseline_us=base_us,
+                           speedup=base_us / us,
+                           rel_diff=_rel_diff(fused(state, q, tk)[0], base(state, q, tk)))
+                b.record(**row)
+
+
+def bench_prefill(b, n, kinds, H, k, peak):
+    """One request's first chunk of n tokens (flushed entries for all of it)."""
+    rng = np.random.default_rng(1)
+    inv = jnp.asarray(yarn_inv_freq())
+    cfg = CacheConfig.tiny(max_requests=1, max_context=n)
+    state = filled_state(cfg, n)
+    state = state.__class__(state.block_table, state.swa.__class__(
+        state.swa.kv, jnp.full_like(state.swa.pos, -1)), state.csa, state.hca, state.errors,
+        state.config)                                 # the ring before a first chunk is empty
+    slot = jnp.zeros((n,), jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    q, topk, sink = _inputs(rng, n, H, k, np.arange(n))
+    chunk = jnp.asarray(rng.standard_normal((n, C.HEAD_DIM)), jnp.bfloat16)
+    for kind in kinds:
+        layer = LAYER[kind]
+        tk = topk if kind == "csa" else None
+        calls = {impl: jax.jit(lambda st, q_, tk_, ck, impl=impl: attention(
+            st, layer, q_, slot, pos, sink=sink, topk=tk_, chunk_kv=ck, rope_inv_freq=inv,
+            impl=impl, return_state=False)) for impl in ("auto", "reference")}
+        us = b.time(lambda i: calls["auto"](state, q, tk, chunk), 1) * 1e6
+        ref_us = b.time(lambda i: calls["reference"](state, q, tk, chunk), 1) * 1e6
+        p = np.arange(n)
+        comp = np.minimum((p + 1) // 4, k) if kind == "csa" else (p + 1) // C.HCA_RATIO
+        visited = int(np.sum(np.minimum(p + 1, C.WINDOW) + comp))
+        row = _row(dict(op="attention", mode="prefill", kind=kind, B=1, context=n), us,
+                   visited, n, H, b.copy_seconds(visited * ENTRY_BYTES + 4 * n * H * C.HEAD_DIM))
+        row.update(peak_frac=row["tflops"] / peak, baseline_us=ref_us, speedup=ref_us / us,
+                   rel_diff=_rel_diff(calls["auto"](state, q, tk, chunk)[0],
+                                      calls["reference"](state, q, tk, chunk)[0]))
+        b.record(**row)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CPU-sized shapes (a smoke run)")
+    ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS)
+    ap.add_argument("--reps", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        b = BenchRun(Settings(reps=args.reps or 2, batch=1, with_reference=False))
+        bench_decode(b, (1, 2), (512,), ("csa", "hca"), H=4, k=16, peak=args.peak_tflops)
+        bench_prefill(b, 256, ("csa", "hca"), H=4, k=16, peak=args.peak_tflops)
+    else:
+        b = BenchRun(Settings(reps=args.reps or 20, batch=10, with_reference=False))
+        bench_decode(b, (1, 8, 64, 128), (4096, 65536), ("csa", "hca"), H=64, k=512,
+                     peak=args.peak_tflops)
+        bench_prefill(b, 4096, ("csa", "hca"), H=64, k=512, peak=args.peak_tflops)
+    b.record(op="copy", gbps=b.copy_gbps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"platform": b.platform, "rows": b.rows}, f, indent=1,
+                      default=lambda v: v if not isinstance(v, float) or math.isfinite(v) else None)
+    return 0

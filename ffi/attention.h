@@ -1,0 +1,159 @@
+// dsv4_attention: operands, binding and validation shared by the CPU and CUDA
+// handlers. Rules: docs/design.md §6 (`attention`), dsv4_jax/ops/attention.py.
+//   attrs kv_format, kind (0 SWA, 1 CSA, 2 HCA)
+//   args  layer s32[] (global), comp_layer s32[] (kind index; SWA: ignored),
+//         q bf16[T,H,512], token_slot s32[T], token_pos s32[T], topk s32[T,k]
+//         (k = 0 unless CSA), chunk_kv bf16[T or 0,512], sink f32[H],
+//         inv_freq f32[32 or 0], block_table s32[R,MB], swa.pos s32[L,R,128],
+//         errors s32[8], swa.kv entries [L,R,128,...], then the kind's pool
+//         entries [Lk,N,32 or 1,...] (none for SWA)
+//   rets  out bf16[T,H,512], lse f32[T,H], errors (aliased when the state is returned)
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "dsv4/attention.h"
+#include "dsv4/entry_checks.h"
+#include "dsv4/ffi_checks.h"
+#include "dsv4/layout.h"
+
+namespace dsv4 {
+
+struct AttentionArgs {
+  int64_t T = 0, H = 0, K = 0, R = 0, MB = 0, L = 0, Lk = 0, N = 0, per_block = 0;
+  int kind = kAttnSwa;
+  bool has_chunk = false;
+  const int32_t* layer = nullptr;
+  const int32_t* comp_layer = nullptr;
+  const uint16_t* q = nullptr;         // bf16 bits [T, H, 512]
+  const int32_t* slot = nullptr;
+  const int32_t* pos = nullptr;
+  const int32_t* topk = nullptr;       // [T, K]
+  const uint16_t* chunk_kv = nullptr;  // bf16 bits [T, 512] when has_chunk
+  const float* sink = nullptr;         // [H]
+  const float* inv_freq = nullptr;     // [32] or null: no inverse RoPE
+  const int32_t* block_table = nullptr;
+  const int32_t* swa_pos = nullptr;    // [L, R, 128]
+  EntryPool ring;                      // swa.kv
+  EntryPool pool;                      // csa.kv or hca.kv (unused for SWA)
+  uint16_t* out = nullptr;             // bf16 bits [T, H, 512]
+  float* lse = nullptr;                // [T, H]
+  int32_t* errors = nullptr;
+};
+
+template <typename Binding>
+auto BindAttention(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("kv_format")
+      .template Attr<int64_t>("kind")
+      .template Arg<ffi::AnyBuffer>()  // layer
+      .template Arg<ffi::AnyBuffer>()  // comp_layer
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // token_slot
+      .template Arg<ffi::AnyBuffer>()  // token_pos
+      .template Arg<ffi::AnyBuffer>()  // topk
+      .template Arg<ffi::AnyBuffer>()  // chunk_kv
+      .template Arg<ffi::AnyBuffer>()  // sink
+      .template Arg<ffi::AnyBuffer>()  // inv_freq
+      .template Arg<ffi::AnyBuffer>()  // block_table
+      .template Arg<ffi::AnyBuffer>()  // swa.pos
+      .template Arg<ffi::AnyBuffer>()  // errors
+      .RemainingArgs()                 // swa.kv leaves, then the pool's
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // lse
+      .template Ret<ffi::AnyBuffer>();  // errors
+}
+
+inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuffer layer,
+                                    ffi::AnyBuffer comp_layer, ffi::AnyBuffer q,
+                                    ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                                    ffi::AnyBuffer topk, ffi::AnyBuffer chunk_kv,
+                                    ffi::AnyBuffer sink, ffi::AnyBuffer inv_freq,
+                                    ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,
+                                    ffi::AnyBuffer errors_in, const ffi::RemainingArgs& entry_args,
+                                    ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer errors,
+                                    AttentionArgs* result) {
+  AttentionArgs a;
+  DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
+  if (kind != kAttnSwa && kind != kAttnCsa && kind != kAttnHca)
+    return ffi::Error::InvalidArgument("kind: expected 0 (SWA), 1 (CSA) or 2 (HCA), got " +
+                                       std::to_string(kind));
+  a.kind = static_cast<int>(kind);
+  DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
+  DSV4_RETURN_IF_ERROR(CheckScalarS32("comp_layer", comp_layer));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("q", q, ffi::DataType::BF16, {-1, -1, kHeadDim}));
+  a.T = q.dimensions()[0];
+  a.H = q.dimensions()[1];
+  if (a.H < 1) return ffi::Error::InvalidArgument("q: expected at least one head, got 0");
+  DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {a.T}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("token_pos", token_pos, ffi::DataType::S32, {a.T}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("topk", topk, ffi::DataType::S32, {a.T, -1}));
+  a.K = topk.dimensions()[1];
+  if ((a.kind == kAttnCsa) != (a.K > 0))
+    return ffi::Error::InvalidArgument("topk: expected k >= 1 columns on a CSA layer and 0 "
+                                       "otherwise, got k = " + std::to_string(a.K) +
+                                       " for kind " + std::to_string(kind));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("chunk_kv", chunk_kv, ffi::DataType::BF16, {-1, kHeadDim}));
+  const int64_t chunk_rows = chunk_kv.dimensions()[0];
+  if (chunk_rows != 0 && chunk_rows != a.T)
+    return ffi::Error::InvalidArgument("chunk_kv: expected " + std::to_string(a.T) +
+                                       " rows (a prefill chunk) or 0 (decode), got " +
+                                       std::to_string(chunk_rows));
+  a.has_chunk = chunk_rows == a.T && a.T > 0;
+  DSV4_RETURN_IF_ERROR(CheckBuffer("sink", sink, ffi::DataType::F32, {a.H}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("inv_freq", inv_freq, ffi::DataType::F32, {-1}));
+  const int64_t nfreq = inv_freq.dimensions()[0];
+  if (nfreq != 0 && nfreq != kRopeDim / 2)
+    return ffi::Error::InvalidArgument("inv_freq: expected 32 frequencies or none, got " +
+                                       std::to_string(nfreq));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
+  a.R = block_table.dimensions()[0];
+  a.MB = block_table.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos", swa_pos, ffi::DataType::S32, {-1, a.R, kWindow}));
+  a.L = swa_pos.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors_in, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("errors (result)", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  std::vector<ffi::AnyBuffer> leaves;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
+  const size_t per = EntryLeafCount(kv_format);
+  const size_t want = a.kind == kAttnSwa ? per : 2 * per;
+  if (leaves.size() != want)
+    return ffi::Error::InvalidArgument("entries: expected " + std::to_string(want) +
+                                       " entry buffers (swa.kv" +
+                                       (a.kind == kAttnSwa ? "" : " and the pool's") +
+                                       "), got " + std::to_string(leaves.size()));
+  std::vector<ffi::AnyBuffer> ring(leaves.begin(), leaves.begin() + per);
+  std::vector<int64_t> lead = {a.L, a.R, kWindow};
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves("swa.kv", kv_format, ring, &lead, &a.ring));
+  if (a.kind != kAttnSwa) {
+    a.per_block = kBlockTokens / (a.kind == kAttnCsa ? kCsaRatio : kHcaRatio);
+    std::vector<ffi::AnyBuffer> pool(leaves.begin() + per, leaves.end());
+    std::vector<int64_t> plead = {-1, -1, a.per_block};
+    DSV4_RETURN_IF_ERROR(BindEntryLeaves(a.kind == kAttnCsa ? "csa.kv" : "hca.kv", kv_format,
+                                         pool, &plead, &a.pool));
+    a.Lk = plead[0];
+    a.N = plead[1];
+  }
+  DSV4_RETURN_IF_ERROR(CheckBuffer("out (result)", out, ffi::DataType::BF16, {a.T, a.H, kHeadDim}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("lse (result)", lse, ffi::DataType::F32, {a.T, a.H}));
+  a.layer = static_cast<const int32_t*>(layer.untyped_data());
+  a.comp_layer = static_cast<const int32_t*>(comp_layer.untyped_data());
+  a.q = static_cast<const uint16_t*>(q.untyped_data());
+  a.slot = static_cast<const int32_t*>(token_slot.untyped_data());
+  a.pos = static_cast<const int32_t*>(token_pos.untyped_data());
+  a.topk = static_cast<const int32_t*>(topk.untyped_data());
+  a.chunk_kv = a.has_chunk ? static_cast<const uint16_t*>(chunk_kv.untyped_data()) : nullptr;
+  a.sink = static_cast<const float*>(sink.untyped_data());
+  a.inv_freq = nfreq ? static_cast<const float*>(inv_freq.untyped_data()) : nullptr;
+  a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
+  a.swa_pos = static_cast<const int32_t*>(swa_pos.untyped_data());
+  a.out = static_cast<uint16_t*>(out.untyped_data());
+  a.lse = static_cast<float*>(lse.untyped_data());
+  a.errors = static_cast<int32_t*>(errors.untyped_data());
+  *result = a;
+  return ffi::Error::Success();
+}
+
+}  // namespace dsv4
