@@ -297,9 +297,8 @@ inline unsigned PlanGrid(int64_t T) {
 // predecessor's tail as the other write kernels are.
 template <bool kCsa>
 cudaError_t LaunchFlushPlan(cudaStream_t stream, const FlushArgs& a) {
-  // past the default 48 KB of dynamic shared memory at large R (once)
-  static const cudaError_t opt_in = cudaFuncSetAttribute(
-      FlushPlanKernel<kCsa>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  // past the default 48 KB of dynamic shared memory at large R
+  const cudaError_t opt_in = cuda::AllowDynamicShared<FlushPlanKernel<kCsa>>(
       static_cast<int>(PlanSmem<kCsa>(kPlanMaxSlots)));
   if (opt_in != cudaSuccess) return opt_in;
   return cuda::LaunchOverlapped(FlushPlanKernel<kCsa>, dim3(PlanGrid<kCsa>(a.T)),

@@ -41,11 +41,11 @@ namespace {
 using namespace indexer;
 
 // Lets both instances of a kernel template take `bytes` of dynamic shared
-// memory; the first error, if any.
-template <typename KernelA, typename KernelB>
-cudaError_t AllowDynamicShared(KernelA* a, KernelB* b, size_t bytes) {
-  const cudaError_t e = cudaFuncSetAttribute(a, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  return e != cudaSuccess ? e : cudaFuncSetAttribute(b, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+// memory on the current device; the first error, if any.
+template <auto kA, auto kB>
+cudaError_t AllowDynamicShared(size_t bytes) {
+  const cudaError_t e = cuda::AllowDynamicShared<kA>(static_cast<int>(bytes));
+  return e != cudaSuccess ? e : cuda::AllowDynamicShared<kB>(static_cast<int>(bytes));
 }
 
 ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
@@ -76,8 +76,8 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
       if (ctas > 65535)
         return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
       // static and dynamic shared memory together pass the default 48 KB
-      static const cudaError_t opt_in =
-          AllowDynamicShared(ScoreKernelMxfp4<false>, ScoreKernelMxfp4<true>, kRingBytes);
+      const cudaError_t opt_in =
+          AllowDynamicShared<ScoreKernelMxfp4<false>, ScoreKernelMxfp4<true>>(kRingBytes);
       if (opt_in != cudaSuccess)
         return ffi::Error::Internal(std::string("indexer_topk shared memory: ") +
                                     cudaGetErrorString(opt_in));
@@ -101,9 +101,9 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
   int kp = 1;
   while (kp < a.K) kp <<= 1;
   const size_t sel_bytes = SelectDynamicBytes(kp);
-  // both kernels' shared memory limit, once
-  static const cudaError_t select_opt_in =
-      AllowDynamicShared(SelectKernel<false>, SelectKernel<true>, kSelectMaxDynamicBytes);
+  // both kernels' shared memory limit (once a device)
+  const cudaError_t select_opt_in =
+      AllowDynamicShared<SelectKernel<false>, SelectKernel<true>>(kSelectMaxDynamicBytes);
   if (select_opt_in != cudaSuccess)
     return ffi::Error::Internal(std::string("indexer_topk select shared memory: ") +
                                 cudaGetErrorString(select_opt_in));

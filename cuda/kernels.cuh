@@ -15,6 +15,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -48,6 +49,23 @@ inline int DeviceAttribute(int fallback) {
 }
 inline int SmCount() { return DeviceAttribute<cudaDevAttrMultiProcessorCount>(132); }
 inline int64_t L2Bytes() { return DeviceAttribute<cudaDevAttrL2CacheSize>(50 << 20); }
+
+// Lets kernel `kKernel` take up to `bytes` of dynamic shared memory (past
+// the default 48 KB). The limit is an attribute of the kernel on each
+// device, so it is set once per device, not once per process: a process that
+// drives several GPUs launches on each.
+template <auto kKernel>
+cudaError_t AllowDynamicShared(int bytes) {
+  static std::atomic<bool> done[64];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const bool cached = dev >= 0 && dev < 64;
+  if (cached && done[dev].load(std::memory_order_acquire)) return cudaSuccess;
+  e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && cached) done[dev].store(true, std::memory_order_release);
+  return e;
+}
 
 // Blocks for a grid-stride loop over `work` items of `per_block` each, at most
 // `waves` blocks per multiprocessor, at least one block.
