@@ -337,10 +337,13 @@ def _agree(kind, mode):
     outs = {}
     for impl, dev in _available():
         put = lambda x: None if x is None else jax.device_put(x, dev)
-        out, lse = jax.jit(lambda st, q_, s_, p_, sk, tk, ck, fr: D.attention(
+        fn = lambda st, q_, s_, p_, sk, tk, ck, fr: D.attention(
             st, LAYER[kind], q_, s_, p_, sink=sk, topk=tk, chunk_kv=ck, rope_inv_freq=fr,
-            impl=impl, return_state=False))(jax.device_put(state, dev), *map(put, (
-                q, slot, pos, sink, topk, chunk, INV_FREQ)))
+            impl=impl, return_state=False)
+        # under jit the default backend decides the platform (a GPU's where one
+        # exists), so the host implementations run eagerly on host arrays
+        out, lse = (jax.jit(fn) if impl == "cuda" else fn)(jax.device_put(state, dev), *map(
+            put, (q, slot, pos, sink, topk, chunk, INV_FREQ)))
         outs[impl] = (np.asarray(out, np.float32), np.asarray(lse))
     names = list(outs)
     for i, a in enumerate(names):
