@@ -79,7 +79,7 @@ def run_one(args):
     """This process's part of a run: prints one line `RESULT {json}`."""
     import jax
     import numpy as np
-    if args.processes > 1:
+    if args.processes > 1 and not jax.distributed.is_initialized():
         jax.distributed.initialize(coordinator_address=args.coordinator,
                                    num_processes=args.processes, process_id=args.process_id)
     import dsv4_jax as dj
@@ -126,10 +126,21 @@ def _env(platform, devices):
     return {"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
 
 
+# A child process: jax.distributed first, then this module (argv: coordinator,
+# processes, process id, then main's options).
+_CHILD = ("import sys, jax; a = sys.argv; "
+          "jax.distributed.initialize(coordinator_address=a[1], num_processes=int(a[2]), "
+          "process_id=int(a[3])); "
+          "from dsv4_jax.bench.multiprocess_step import main; sys.exit(main(a[4:]))")
+
+
 def _run(args, processes, per_process):
     from ..launch import run_processes
     def command(i, address):
-        return [sys.executable, "-m", "dsv4_jax.bench.multiprocess_step", "--process-id", str(i),
+        # jax.distributed.initialize first, as JAX asks, before anything of
+        # dsv4_jax runs (which -m dsv4_jax.bench... would import first)
+        return [sys.executable, "-c", _CHILD, address, str(processes), str(i),
+                "--process-id", str(i),
                 "--processes", str(processes), "--coordinator", address,
                 "--batch", str(args.batch), "--contexts", ",".join(map(str, args.contexts)),
                 "--reps", str(args.reps), "--loop", str(args.loop), "--warm", str(args.warm),

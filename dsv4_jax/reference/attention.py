@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import config as C
 from ..errors import ErrorKind
@@ -25,7 +26,7 @@ from ._rows import add_errors, count, layer_ok, read_index, token_checks, visibl
 from .gather import _read_entries
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-SCALE = float(jnp.float32(1.0 / math.sqrt(C.HEAD_DIM)))
+SCALE = float(np.float32(1.0 / math.sqrt(C.HEAD_DIM)))
 
 
 def _ring(state, layer, slot, pos, good, p0):

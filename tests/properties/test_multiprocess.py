@@ -155,3 +155,16 @@ def test_process_manager_in_one_process_fixed_sizes_and_row_checks():
         mine.put_rows(np.zeros((6, 3), np.float32))
     with pytest.raises(KeyError, match="not admitted on process 0"):
         mine.prepare_step({99: 1})
+
+
+def test_importing_dsv4_jax_leaves_jax_distributed_possible():
+    """jax.distributed.initialize must come before JAX starts a backend; a
+    program that imports dsv4_jax first (and registers its FFI targets) must
+    still be able to call it. A fresh interpreter, one process."""
+    from dsv4_jax.launch import free_port
+    code = ("import jax, dsv4_jax; from dsv4_jax import _ffi; _ffi.module_status(); "
+            f"jax.distributed.initialize(coordinator_address='127.0.0.1:{free_port()}', "
+            "num_processes=1, process_id=0); print(len(jax.devices()))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and int(done.stdout.split()[-1]) >= 1, done.stderr[-2000:]
