@@ -34,7 +34,7 @@ ffi::Error AppendImpl(cudaStream_t stream, int64_t kv_format, int64_t max_contex
   DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
                                       swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
                                       entry_rets, &a));
-  const AppendPlan plan = append_kernel::FitAppendPlan(AppendKernel, a.T, a.R, kBlocksPerSm);
+  const AppendPlan plan = append_kernel::FitAppendPlan<AppendKernel, kBlocksPerSm>(a.T, a.R);
   return cuda::LaunchResult(
       cuda::LaunchOverlapped(AppendKernel, dim3(plan.blocks), dim3(kThreads), plan.smem,
                              plan.cluster, stream, a, plan),

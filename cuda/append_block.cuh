@@ -49,6 +49,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
 
@@ -103,18 +104,28 @@ inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most) {
   return p;
 }
 
-// PlanAppend for `kernel` with at most `blocks_per_sm` blocks a
+// PlanAppend for kernel `kKernel` with at most `kBlocksPerSm` blocks a
 // multiprocessor, its grid cut to the clusters the device runs at once, so
 // that no cluster waits for a second wave (every block walks the whole call,
-// so fewer blocks lose nothing but parallelism).
-template <typename Kernel>
-AppendPlan FitAppendPlan(Kernel kernel, int64_t T, int64_t R, int blocks_per_sm) {
-  AppendPlan p = PlanAppend(T, R, int64_t{blocks_per_sm} * cuda::SmCount());
-  if (p.cluster > 1) {
-    const int64_t fit =
-        int64_t{cuda::MaxActiveClusters(kernel, kThreads, p.smem, p.cluster)} * p.cluster;
-    if (fit >= p.cluster && fit < p.blocks) p = PlanAppend(T, R, fit);
+// so fewer blocks lose nothing but parallelism). The count is asked once a
+// device and cluster size, with the most shared memory a plan takes
+// (registers, not shared memory, bound these blocks).
+template <auto kKernel, int kBlocksPerSm>
+AppendPlan FitAppendPlan(int64_t T, int64_t R) {
+  AppendPlan p = PlanAppend(T, R, int64_t{kBlocksPerSm} * cuda::SmCount());
+  if (p.cluster <= 1) return p;
+  static std::atomic<int> fits[64][4];  // device x cluster 1, 2, 4, 8; 0: not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return p;
+  const int c = p.cluster == 2 ? 1 : p.cluster == 4 ? 2 : 3;
+  int clusters = fits[dev][c].load(std::memory_order_relaxed);
+  if (clusters == 0) {
+    const size_t most_smem = static_cast<size_t>(kTableCap) * 8;
+    clusters = cuda::MaxActiveClusters(kKernel, kThreads, most_smem, p.cluster);
+    fits[dev][c].store(clusters > 0 ? clusters : -1, std::memory_order_relaxed);
   }
+  const int64_t fit = int64_t{clusters} * p.cluster;
+  if (fit >= p.cluster && fit < p.blocks) p = PlanAppend(T, R, fit);
   return p;
 }
 

@@ -42,7 +42,7 @@ template <bool kCsa>
 ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, const char* what) {
   // one block a multiprocessor: the flush role's registers allow no more
   const append_kernel::AppendPlan plan =
-      append_kernel::FitAppendPlan(WriteLayerKernel<kCsa>, w.append.T, w.append.R, 1);
+      append_kernel::FitAppendPlan<WriteLayerKernel<kCsa>, 1>(w.append.T, w.append.R);
   const unsigned k = plan.cluster;
   const bool prefill = flush_kernel::UseWindowPlan(w.flush.T, w.flush.R);
   // flush blocks rounded up to whole clusters (the extra ones share the rows);
