@@ -11,9 +11,10 @@ into another slot and other blocks, bit for bit.
 
 Called on concrete arrays each runs one cached `jax.jit` program (the state
 donated by the writes: take back the state they return); called inside a
-trace it is inlined into the caller's program. Every copy moves bits (leaves
-are bitcast to unsigned integers), so nothing is rounded, a -0 stays -0 and a
-NaN payload is kept.
+trace it is inlined into the caller's program. Every copy moves bits (reads
+bitcast the leaves to unsigned integers, writes are scatters that set rows,
+on the CPU of the bits too), so nothing is rounded, a -0 stays -0 and a NaN
+payload is kept.
 
 Sharded (docs/design.md §10), `slot` is the global slot
 (`ShardedCacheManager.global_slot`), block ids are global
@@ -110,11 +111,26 @@ def _unbits(b, dtype):
 
 def _write_rows(pool, at, rows):
     """`pool[:, at] = rows` (at: i32[n], an index past the axis dropped; rows:
-    the bits of [pool.shape[0], n, ...]) so that XLA writes the donated pool
-    in place: a scatter on the pool's bits (XLA's CPU backend runs a scatter
-    into 8- or 16-bit floats by widening the whole pool to f32) of at least
-    two rows (one row becomes a dynamic-update-slice, which the CPU backend
+    [pool.shape[0], n, ...] of the pool's dtype), in place on the donated
+    pool. A scatter with "set" moves the rows' bits as they are; how it stays
+    in place differs by backend (`_write_rows_cpu` for XLA's CPU backend)."""
+    return jax.lax.platform_dependent(pool, at, rows, cpu=_write_rows_cpu,
+                                      default=_scatter_rows)
+
+
+def _scatter_rows(pool, at, rows):
+    """One scatter kernel on the GPU, in place on the donated pool, in the
+    pool's own dtype: converting the pool to its bits and back would add two
+    passes over the whole pool, and a single row needs no padding there."""
+    return pool.at[:, at].set(rows, mode="drop")
+
+
+def _write_rows_cpu(pool, at, rows):
+    """XLA's CPU backend: a scatter on the pool's bits (it runs a scatter into
+    8- or 16-bit floats by widening the whole pool to f32) of at least two
+    rows (one row becomes a dynamic-update-slice, which the CPU backend
     builds in a fresh buffer and copies back; the extra row is dropped)."""
+    rows = _bits(rows)
     if at.shape[0] == 1:
         at = jnp.concatenate([at, jnp.full((1,), pool.shape[1], at.dtype)])
         rows = jnp.concatenate([rows, rows], axis=1)
@@ -151,14 +167,14 @@ def _take_slot(st: CacheState, slot, first):
     return window, comp, icomp, hcomp, length
 
 
-def _put_slot(st: CacheState, slot, first, snap_bits, row) -> CacheState:
-    """The state with the snapshot's bits and block-table row written into
+def _put_slot(st: CacheState, slot, first, snap_parts, row) -> CacheState:
+    """The state with the snapshot's leaves and block-table row written into
     `slot` where this shard owns it (else unchanged)."""
     R = st.config.max_requests
     local, ok = _local_index(slot, first, R)
     at = jnp.where(ok, local, R)[None]         # R: dropped by mode="drop"
     window, comp, icomp, hcomp = jax.tree_util.tree_map(
-        lambda x, b: _write_rows(x, at, b[:, None]), _slot_parts(st), snap_bits)
+        lambda x, b: _write_rows(x, at, b[:, None]), _slot_parts(st), snap_parts)
     table = st.block_table.at[at[0]].set(row, mode="drop")
     return dataclasses.replace(
         st, block_table=table, swa=window,
@@ -177,11 +193,11 @@ def _take_blocks(st: CacheState, blocks, first):
     return jax.tree_util.tree_map(take, _block_parts(st))
 
 
-def _put_blocks(st: CacheState, blocks, first, data_bits) -> CacheState:
+def _put_blocks(st: CacheState, blocks, first, data) -> CacheState:
     N = st.config.num_blocks
     local, ok = _local_index(blocks, first, N)
     at = jnp.where(ok, local, N)
-    new = jax.tree_util.tree_map(lambda x, b: _write_rows(x, at, b), _block_parts(st), data_bits)
+    new = jax.tree_util.tree_map(lambda x, b: _write_rows(x, at, b), _block_parts(st), data)
     return dataclasses.replace(
         st, csa=dataclasses.replace(st.csa, kv=new.csa_kv, index=new.csa_index),
         hca=dataclasses.replace(st.hca, kv=new.hca_kv))
@@ -226,10 +242,9 @@ def _take_slot_entry(st, first_slot, first_block, slot):
 
 
 def _restore_body(state: CacheState, slot, snap: RequestSnapshot, row) -> CacheState:
-    bits = jax.tree_util.tree_map(_bits, (snap.window, snap.csa_comp, snap.csa_icomp,
-                                          snap.hca_comp))
-    return _over_shards(state, lambda st, fs, fb, s, b, r: _put_slot(st, s, fs, b, r),
-                        [slot, bits, row], "state")
+    parts = (snap.window, snap.csa_comp, snap.csa_icomp, snap.hca_comp)
+    return _over_shards(state, lambda st, fs, fb, s, p, r: _put_slot(st, s, fs, p, r),
+                        [slot, parts, row], "state")
 
 
 def _read_blocks_body(state: CacheState, blocks) -> RequestBlocks:
@@ -239,9 +254,8 @@ def _read_blocks_body(state: CacheState, blocks) -> RequestBlocks:
 
 
 def _write_blocks_body(state: CacheState, blocks, data: RequestBlocks) -> CacheState:
-    bits = jax.tree_util.tree_map(_bits, data)
     return _over_shards(state, lambda st, fs, fb, b, d: _put_blocks(st, b, fb, d),
-                        [blocks, bits], "state")
+                        [blocks, data], "state")
 
 
 # ---- placement -----------------------------------------------------------------------------

@@ -19,15 +19,24 @@ filled with random bits; a move copies bits, so their values do not matter):
   every layer (`dsv4_jax.bench.prefill`, chunks of up to 8192 tokens; the
   cache's share of a prefill only, the model's compute comes on top).
 
+Each move is timed twice. Device time (on a GPU): the span of one call on
+the GPU's own timeline (CUPTI through jax.profiler, `device_timeline`), from
+its first kernel or memcpy's start to its last one's end, the median over
+`reps` calls; "busy" sums the durations alone, and the launches of one call
+are listed by name (what XLA emitted for the move). Host time: the median of
+`reps` synced calls from Python, after two warm-up calls (dispatch, argument
+placement and the final sync included); it is the only time on the CPU.
+
 Rates: bytes of the request (snapshot + its blocks, `OffloadedRequest.nbytes`)
 a second, one way. On the device a copy reads and writes each byte, so
 "% of copy" sets 2 x bytes / time against the device's copy rate (bytes read +
-written a second, BenchRun's copy reference over the same bytes). To and from
-host memory it sets bytes / time against the host-device rate measured here
-(`jax.device_put` of a buffer of the same bytes into pinned host memory and
-back). Each figure is the median of `reps` synced calls after two warm-up calls; every
-round trip is checked: the request's snapshot and blocks back equal to the
-bits that left.
+written a second): on a GPU one jitted `x + 1` over 1 GiB on the timeline
+(`bench.indexer.copy_bandwidth`), on the CPU the same host-timed over 64 MiB.
+To and from host memory it sets bytes / time against the host-device rate
+measured here over the same bytes (`jax.device_put` into pinned host memory
+and back): device time against the memcpy's own time on the timeline, host
+time against the host-timed `device_put`. Every round trip is checked: the
+request's snapshot and blocks back equal to the bits that left.
 """
 from __future__ import annotations
 
@@ -36,6 +45,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +57,8 @@ from ..request_moves import host_memory_kind
 from ..request_state import read_blocks, restore, snapshot, write_blocks
 from ..state import state_shapes
 from . import prefill
+from .device_timeline import kernel_events, kernel_name, split_steps
+from .indexer import copy_bandwidth
 
 PRESETS = {"flash": dj.CacheConfig.flash, "pro": dj.CacheConfig.pro, "tiny": dj.CacheConfig.tiny}
 
@@ -83,6 +95,29 @@ def timed(call, reps, warm=2):
     return statistics.median(times)
 
 
+def device_time(call, reps):
+    """One call of `call` on the GPU's timeline, over `reps` traced calls
+    (after one untraced): {"us": span from its first launch's start to its
+    last one's end, "busy_us": the launches' summed durations (medians over
+    the calls), "launches": kernels and memcpys a call, "kernels": {name:
+    count a call}, "split": whether the events split into identical calls
+    (if not, "us" is the whole trace's span over `reps`, gaps between calls
+    included)}. None where there is no GPU."""
+    events = kernel_events(call, runs=reps)
+    if not events:
+        return None
+    calls = split_steps(events, reps)
+    if calls:
+        us = statistics.median((max(t + d for t, d, _ in c) - c[0][0]) / 1e3 for c in calls)
+        busy = statistics.median(sum(d for _, d, _ in c) / 1e3 for c in calls)
+    else:
+        us = (max(t + d for t, d, _ in events) - events[0][0]) / 1e3 / reps
+        busy = sum(d for _, d, _ in events) / 1e3 / reps
+    names = Counter(kernel_name(n) for _, _, n in events)
+    return {"us": us, "busy_us": busy, "launches": len(events) / reps,
+            "kernels": {k: v / reps for k, v in names.most_common()}, "split": calls is not None}
+
+
 def _bits_equal(a, b) -> bool:
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     raw = lambda x: np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
@@ -90,14 +125,28 @@ def _bits_equal(a, b) -> bool:
 
 
 def host_rates(nbytes, reps, device):
-    """(device -> pinned host, pinned host -> device) GB/s of `nbytes`."""
+    """GB/s of `nbytes` device -> pinned host and back: {"d2h", "h2d"} host-
+    timed `jax.device_put`, and on a GPU {"d2h_dev", "h2d_dev"} the same
+    copies' time on its timeline."""
     dev = jax.sharding.SingleDeviceSharding(device)
     host = dev.with_memory_kind("pinned_host")
     x = jax.device_put(jnp.zeros(nbytes, jnp.uint8), dev)
     h = jax.device_put(x, host)
-    d2h = timed(lambda: jax.device_put(x, host), reps)
-    h2d = timed(lambda: jax.device_put(h, dev), reps)
-    return nbytes / d2h / 1e9, nbytes / h2d / 1e9
+    to_host, to_dev = lambda: jax.device_put(x, host), lambda: jax.device_put(h, dev)
+    rates = {"d2h": nbytes / timed(to_host, reps) / 1e9,
+             "h2d": nbytes / timed(to_dev, reps) / 1e9}
+    for key, call in (("d2h_dev", to_host), ("h2d_dev", to_dev)):
+        t = device_time(call, reps)
+        if t is not None:
+            rates[key] = nbytes / t["us"] / 1e3
+    return rates
+
+
+def device_copy_gbps() -> float:
+    """The device's copy rate in GB/s (bytes read + written): `x + 1` over
+    1 GiB on a GPU's timeline; host-timed over 64 MiB on the CPU."""
+    gpu = jax.default_backend() == "gpu"
+    return copy_bandwidth(1 << 30 if gpu else 1 << 26) / 1e9
 
 
 class Mover:
@@ -128,6 +177,11 @@ class Mover:
         return self.state
 
 
+MOVES = (("slot_snapshot", "slot snapshot"), ("slot_restore", "slot restore"),
+         ("device_out", "request out, device"), ("device_in", "request in, device"),
+         ("host_out", "request out, to host"), ("host_in", "request in, from host"))
+
+
 def measure(model, context, *, reps=5, kv_format="ds_fp8", prefill_impl="auto",
             with_prefill=True, copy_gbps=None, emit=print) -> dict:
     cfg = bench_config(model, context, kv_format)
@@ -136,42 +190,65 @@ def measure(model, context, *, reps=5, kv_format="ds_fp8", prefill_impl="auto",
     first = mv.out(None)
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(first))
     slot_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(first[0]))
-    copy = copy_gbps or prefill.copy_rate_gbps(nbytes)
-    d2h, h2d = host_rates(nbytes, reps, next(iter(mv.state.block_table.devices())))
+    copy = copy_gbps or device_copy_gbps()
+    rates = host_rates(nbytes, reps, next(iter(mv.state.block_table.devices())))
     row = {"model": model, "context": context, "kv_format": kv_format, "bytes": nbytes,
-           "slot_bytes": slot_bytes, "copy_GBps": copy, "d2h_GBps": d2h, "h2d_GBps": h2d,
-           "platform": jax.default_backend(), "host_memory_kind": kind}
+           "slot_bytes": slot_bytes, "copy_GBps": copy, "d2h_GBps": rates["d2h"],
+           "h2d_GBps": rates["h2d"], "platform": jax.default_backend(),
+           "host_memory_kind": kind}
+    if "d2h_dev" in rates:
+        row.update(d2h_dev_GBps=rates["d2h_dev"], h2d_dev_GBps=rates["h2d_dev"])
     exact = True
 
-    def round_trip(memory_kind, slot_only=False):
+    def record(key, moved, host_s, dev, ref_gbps, factor):
+        """Row entries of one move: host ms (and GB/s, % of the reference),
+        device µs, GB/s and % where there is a timeline."""
+        row[f"{key}_ms"] = host_s * 1e3
+        if dev is None:
+            return
+        gbps = moved / dev["us"] / 1e3
+        row.update({f"{key}_dev_us": dev["us"], f"{key}_dev_busy_us": dev["busy_us"],
+                    f"{key}_dev_GBps": gbps, f"{key}_dev_pct": 100 * factor * gbps / ref_gbps,
+                    f"{key}_launches": dev["launches"], f"{key}_kernels": dev["kernels"],
+                    f"{key}_split": dev["split"]})
+
+    def round_trip(where, memory_kind, moved, slot_only=False):
         nonlocal exact
         parked = mv.out(memory_kind)
-        t_out = timed(lambda: mv.out(memory_kind), reps)
-        t_in = timed(lambda: mv.into(parked, slot_only), reps)
+        out_call = lambda: mv.out(memory_kind)             # noqa: E731
+        in_call = lambda: mv.into(parked, slot_only)       # noqa: E731
+        t_out, t_in = timed(out_call, reps), timed(in_call, reps)
+        d_out, d_in = device_time(out_call, reps), device_time(in_call, reps)
         back = mv.out(None)
         exact = exact and _bits_equal(back[0], parked[0]) and \
             (slot_only or _bits_equal(back[1], parked[1]))
+        if where == "host":
+            refs, factor = (row.get("d2h_dev_GBps"), row.get("h2d_dev_GBps")), 1
+        else:
+            refs, factor = (copy, copy), 2
+        keys = ("slot_snapshot", "slot_restore") if slot_only else (f"{where}_out", f"{where}_in")
+        for key, t, d, ref in zip(keys, (t_out, t_in), (d_out, d_in), refs):
+            record(key, moved, t, d, ref, factor)
         return t_out, t_in
 
-    t_snap, t_restore = round_trip(None, slot_only=True)
-    row.update(slot_snapshot_ms=t_snap * 1e3, slot_restore_ms=t_restore * 1e3,
-               slot_GBps=slot_bytes / t_restore / 1e9,
+    t_snap, t_restore = round_trip("device", None, slot_bytes, slot_only=True)
+    row.update(slot_GBps=slot_bytes / t_restore / 1e9,
                slot_copy_pct=100 * 2 * slot_bytes / t_restore / 1e9 / copy)
     emit(f"  {model} {context}: slot snapshot {t_snap * 1e3:.3f} ms, restore "
-         f"{t_restore * 1e3:.3f} ms ({slot_bytes / 1e6:.2f} MB)")
+         f"{t_restore * 1e3:.3f} ms ({slot_bytes / 1e6:.2f} MB)" + _device_note(row, "slot"))
     for where, memory_kind in (("device", None), ("host", kind)):
         if where == "host" and kind is None:
             continue
-        t_out, t_in = round_trip(memory_kind)
+        t_out, t_in = round_trip(where, memory_kind, nbytes)
         gbps_out, gbps_in = nbytes / t_out / 1e9, nbytes / t_in / 1e9
-        ref_out, ref_in = (copy / 2, copy / 2) if where == "device" else (d2h, h2d)
-        row.update({f"{where}_out_ms": t_out * 1e3, f"{where}_in_ms": t_in * 1e3,
-                    f"{where}_out_GBps": gbps_out, f"{where}_in_GBps": gbps_in,
+        ref_out, ref_in = (copy / 2, copy / 2) if where == "device" else \
+            (rates["d2h"], rates["h2d"])
+        row.update({f"{where}_out_GBps": gbps_out, f"{where}_in_GBps": gbps_in,
                     f"{where}_out_pct": 100 * gbps_out / ref_out,
                     f"{where}_in_pct": 100 * gbps_in / ref_in})
         emit(f"  {model} {context}: request {where}: out {t_out * 1e3:.2f} ms "
              f"({gbps_out:.1f} GB/s), in {t_in * 1e3:.2f} ms ({gbps_in:.1f} GB/s) of "
-             f"{nbytes / 1e6:.1f} MB")
+             f"{nbytes / 1e6:.1f} MB" + _device_note(row, where))
     row["exact"] = bool(exact)
     row["prefix_hit_ms"] = row["slot_restore_ms"]
     if with_prefill:
@@ -186,33 +263,70 @@ def measure(model, context, *, reps=5, kv_format="ds_fp8", prefill_impl="auto",
     return row
 
 
-COLUMNS = (("context", "context", ",d"), ("bytes", "MB", "mb"),
-           ("slot_restore_ms", "slot restore ms", ".3f"), ("slot_copy_pct", "% copy", ".0f"),
-           ("device_out_GBps", "dev out GB/s", ".1f"), ("device_in_GBps", "dev in GB/s", ".1f"),
-           ("device_in_pct", "% copy", ".0f"),
-           ("host_out_GBps", "to host GB/s", ".1f"), ("host_out_pct", "% D2H", ".0f"),
-           ("host_in_GBps", "from host GB/s", ".1f"), ("host_in_pct", "% H2D", ".0f"),
-           ("prefill_ms", "prefill ms", ".1f"), ("prefix_hit_speedup", "hit speed-up", ",.0f"),
-           ("exact", "exact", "s"))
+def _device_note(row, where):
+    """"; device: a µs, b µs" for the pair of moves of `where`, if timed on a GPU."""
+    keys = ("slot_snapshot", "slot_restore") if where == "slot" else \
+        (f"{where}_out", f"{where}_in")
+    if f"{keys[0]}_dev_us" not in row:
+        return ""
+    return "; device " + ", ".join(f"{row[k + '_dev_us']:.1f} us" for k in keys)
+
+
+# (key, header, format) of the table's columns after model, context and move
+COLUMNS = (("MB", "MB", ".2f"), ("dev_us", "device us", ".1f"), ("dev_busy_us", "busy us", ".1f"),
+           ("dev_GBps", "device GB/s", ".1f"), ("dev_pct", "% of ref", ".0f"),
+           ("ref", "ref", "s"), ("launches", "launches", ".0f"), ("ms", "host ms", ".3f"),
+           ("GBps", "host GB/s", ".1f"), ("pct", "host % of ref", ".0f"))
+
+
+def _move_cells(r, key):
+    """One move's cells: device µs, GB/s, % of its reference (the copy rate;
+    D2H or H2D for the host moves) and host ms, GB/s, %."""
+    moved = r["slot_bytes"] if key.startswith("slot") else r["bytes"]
+    host = key.startswith("host")
+    ref = ("D2H" if key.endswith("out") else "H2D") if host else "copy"
+    host_pct = {"slot_restore": "slot_copy_pct"}.get(key, f"{key}_pct")
+    c = {"MB": moved / 1e6, "ref": ref, "ms": r.get(f"{key}_ms"),
+         "GBps": moved / r[f"{key}_ms"] / 1e6 if f"{key}_ms" in r else None,
+         "pct": r.get(host_pct)}
+    if c["pct"] is None and c["GBps"] is not None and not host:
+        c["pct"] = 100 * 2 * c["GBps"] / r["copy_GBps"]
+    for k in ("dev_us", "dev_busy_us", "dev_GBps", "dev_pct", "launches"):
+        c[k] = r.get(f"{key}_{k}")
+    return c
 
 
 def markdown(rows) -> str:
-    def cell(r, key, fmt):
-        if key not in r:
-            return "-"
-        if fmt == "mb":
-            return f"{r[key] / 1e6:.1f}"
-        return f"{r[key]}" if fmt == "s" else format(r[key], fmt)
-    head = "| model | " + " | ".join(c[1] for c in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
+    head = "| model | context | move | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
+    kernels = []
     for r in rows:
-        lines.append(f"| {r['model']} | " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |")
+        for key, label in MOVES:
+            if f"{key}_ms" not in r:
+                continue
+            c = _move_cells(r, key)
+            cells = ["-" if c[k] is None else format(c[k], f) for k, _, f in COLUMNS]
+            lines.append(f"| {r['model']} | {r['context']} | {label} | " + " | ".join(cells) + " |")
+            if f"{key}_kernels" in r:
+                names = ", ".join(f"{n} x{v:g}" for n, v in r[f"{key}_kernels"].items())
+                kernels.append(f"- {r['model']} {r['context']} {label}: {names}")
+    notes = []
+    for r in rows:
+        hit = f"  {r['model']} {r['context']}: exact {r['exact']}"
+        if "prefill_ms" in r:
+            hit += (f"; prefix hit {r['prefix_hit_ms']:.3f} ms (host) against "
+                    f"{r['prefill_ms']:.1f} ms of prefill writes ({r['prefix_hit_speedup']:,.0f}x)")
+        notes.append(hit)
+    if kernels:
+        notes += ["", "launches of one call (kernels and memcpys, by name):"] + kernels
     if rows:
         r = rows[0]
-        lines.append(f"\ncopy {r['copy_GBps']:.0f} GB/s (read + write), device to pinned host "
-                     f"{r['d2h_GBps']:.1f} GB/s, pinned host to device {r['h2d_GBps']:.1f} GB/s "
-                     f"({r['platform']})")
-    return "\n".join(lines)
+        dev = "" if "d2h_dev_GBps" not in r else \
+            f" ({r['d2h_dev_GBps']:.1f} / {r['h2d_dev_GBps']:.1f} GB/s on the timeline)"
+        notes.append(f"\ncopy {r['copy_GBps']:.0f} GB/s (read + write), device to pinned host "
+                     f"{r['d2h_GBps']:.1f} GB/s, pinned host to device {r['h2d_GBps']:.1f} GB/s"
+                     f" host-timed{dev} ({r['platform']})")
+    return "\n".join(lines + [""] + notes)
 
 
 def main(argv=None) -> int:
@@ -226,7 +340,7 @@ def main(argv=None) -> int:
     p.add_argument("--impl", default="auto", help="implementation of the prefill reference")
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill comparison")
     p.add_argument("--copy-gbps", type=float, default=None,
-                   help="the device's copy rate instead of measuring it")
+                   help="the device's copy rate (GB/s, read + write) instead of measuring it")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     args = p.parse_args(argv)
     try:
@@ -235,9 +349,10 @@ def main(argv=None) -> int:
         p.error(f"--contexts: expected comma-separated ints, got {args.contexts!r}")
     if any(c <= 0 or c % C.BLOCK_TOKENS for c in contexts):
         p.error(f"--contexts: expected positive multiples of {C.BLOCK_TOKENS}, got {contexts}")
+    copy = args.copy_gbps or device_copy_gbps()
     rows = [measure(args.model, c, reps=args.reps, kv_format=args.kv_format,
                     prefill_impl=args.impl, with_prefill=not args.no_prefill,
-                    copy_gbps=args.copy_gbps) for c in contexts]
+                    copy_gbps=copy) for c in contexts]
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
