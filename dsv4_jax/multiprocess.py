@@ -175,8 +175,8 @@ class ProcessCacheManager:
         Every shard's metadata is padded to sizes common to all shards of all
         processes (T, NB, NR: the jitted step is one program). With `sizes`
         None they are agreed here: each process's padded sizes are gathered
-        (`multihost_utils.process_allgather`, a small host-side exchange
-        outside the step) and the largest taken, so every process must call
+        (`multihost_utils.process_allgather`: a separate tiny all-gather
+        of four integers a process, outside the step) and the largest taken, so every process must call
         this for every step. `sizes=(T, NB, NR)`, powers of two and the same
         on every process, fixes them instead, with no exchange; a step that
         needs more on one of this process's shards raises CacheFullError.
