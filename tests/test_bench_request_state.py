@@ -6,6 +6,7 @@ import json
 import pytest
 
 from dsv4_jax import memory_report
+from dsv4_jax.bench import device_timeline as timeline
 from dsv4_jax.bench import request_state as bench
 from conftest import requires_cpu_ffi
 from support.marks import CUDA
@@ -68,13 +69,13 @@ def test_device_time_spans_one_call_of_the_timeline(monkeypatch):
              [(100, 12, "fusion_a"), (130, 6, "MemcpyD2H")],        # span 36, busy 18
              [(500, 11, "fusion_a"), (520, 4, "MemcpyD2H")]]        # span 24, busy 15
     events = [e for c in calls for e in c]
-    monkeypatch.setattr(bench, "kernel_events", lambda call, runs: events)
-    t = bench.device_time(lambda: None, 3)
+    monkeypatch.setattr(timeline, "kernel_events", lambda call, runs: events)
+    t = timeline.device_time(lambda: None, 3)
     assert t["us"] == pytest.approx(24e-3) and t["busy_us"] == pytest.approx(15e-3)
     assert t["launches"] == 2 and t["kernels"] == {"fusion_a": 1, "MemcpyD2H": 1}
     assert t["split"] is True
-    monkeypatch.setattr(bench, "kernel_events", lambda call, runs: events[:-1])
-    t = bench.device_time(lambda: None, 3)     # 5 events do not split into 3 calls
+    monkeypatch.setattr(timeline, "kernel_events", lambda call, runs: events[:-1])
+    t = timeline.device_time(lambda: None, 3)     # 5 events do not split into 3 calls
     assert t["split"] is False and t["us"] == pytest.approx(511e-3 / 3)
-    monkeypatch.setattr(bench, "kernel_events", lambda call, runs: [])
-    assert bench.device_time(lambda: None, 3) is None
+    monkeypatch.setattr(timeline, "kernel_events", lambda call, runs: [])
+    assert timeline.device_time(lambda: None, 3) is None

@@ -4,10 +4,13 @@ prefill chunk, each against the same work done as today's path in the same
 run: gather_window + gather_topk / gather_all + jax.nn.dot_product_attention
 (decode), the jnp reference (prefill: gathers + dense attention).
 
-Per case: microseconds per call; bytes read (entries visited x 583 + q + out)
-against the device copy rate of the run (BenchRun.copy_seconds, the same
-bytes); FLOPs (4 * H * 512 per entry visited: QK and PV) against the
-tensor-core peak given (--peak-tflops, an H100 SXM's dense bf16 by default).
+Per case: microseconds per call, on a GPU from its own timeline (`dev_us`:
+the span of one call's kernels, dispatch left out; `us`, host-timed, beside
+it), elsewhere host-timed; bytes read (entries visited x 583 + q + out)
+against the device copy rate (on a GPU one `x + 1` kernel's rate on the
+timeline, elsewhere BenchRun's host-timed copy of the same bytes); FLOPs
+(4 * H * 512 per entry visited: QK and PV) against the tensor-core peak
+given (--peak-tflops, an H100 SXM's dense bf16 by default).
 
     python benchmarks/bench_attention.py --json attention.json
     python benchmarks/bench_attention.py --quick          # CPU-sized smoke run
@@ -27,7 +30,9 @@ from ..config import CacheConfig
 from ..ops.attention import attention
 from ..ops.gather import gather_all, gather_topk, gather_window
 from ..params import yarn_inv_freq
+from .device_timeline import device_time
 from .filled_state import filled_state
+from .indexer import copy_bandwidth
 from .timing import BenchRun, Settings
 
 ENTRY_BYTES = 583                         # a ds_fp8 entry
@@ -82,11 +87,34 @@ def _rel_diff(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def _row(case, us, visited, T, H, copy_s):
-    nbytes = visited * ENTRY_BYTES + 2 * T * H * C.HEAD_DIM * 2
+def _timed(b, call):
+    """(µs the rates use, host µs, device µs or None): one call's span on
+    the GPU's timeline where there is one (dispatch is not the op's cost),
+    else the host time."""
+    host = b.time(lambda i: call(), 1) * 1e6
+    dev = device_time(call, b.settings.reps)
+    dev_us = dev["us"] if dev else None
+    return (dev_us if dev_us else host), host, dev_us
+
+
+def _copy_rate(b):
+    """Bytes read + written a second: one kernel's on the GPU's timeline,
+    measured once a run; None elsewhere (BenchRun's host-timed copy then)."""
+    if b.platform != "gpu":
+        return None
+    if not hasattr(b, "timeline_copy_Bps"):
+        b.timeline_copy_Bps = copy_bandwidth()
+    return b.timeline_copy_Bps
+
+
+def _row(b, case, us, visited, T, H, nbytes):
+    """Rates of a case timed at `us`; `nbytes` is what the copy reference moves."""
+    read = visited * ENTRY_BYTES + 2 * T * H * C.HEAD_DIM * 2
     flops = 4.0 * H * C.HEAD_DIM * visited
-    return dict(case, us=us, bytes_read=nbytes, gbps=nbytes / us / 1e3,
-                copy_frac=(copy_s * 1e6) / us, tflops=flops / us / 1e6)
+    rate = _copy_rate(b)
+    copy_us = 2 * nbytes / rate * 1e6 if rate else b.copy_seconds(nbytes) * 1e6
+    return dict(case, us=us, bytes_read=read, gbps=read / us / 1e3,
+                copy_frac=copy_us / us, tflops=flops / us / 1e6)
 
 
 def bench_decode(b, batches, contexts, kinds, H, k, peak):
@@ -108,13 +136,14 @@ def bench_decode(b, batches, contexts, kinds, H, k, peak):
                 base = jax.jit(lambda st, q_, tk_: baseline(
                     st, layer, kind, q_, slot, pos, sink, tk_, inv, cfg.max_blocks_per_request))
                 visited = B * (C.WINDOW + (k if kind == "csa" else ctx // C.HCA_RATIO))
-                us = b.time(lambda i: fused(state, q, tk), 1) * 1e6
-                base_us = b.time(lambda i: base(state, q, tk), 1) * 1e6
+                us, host_us, dev_us = _timed(b, lambda: fused(state, q, tk))
+                base_us, base_host_us, base_dev_us = _timed(b, lambda: base(state, q, tk))
                 nbytes = visited * ENTRY_BYTES + 2 * B * H * C.HEAD_DIM * 2
-                row = _row(dict(op="attention", mode="decode", kind=kind, B=B, context=ctx),
-                           us, visited, B, H, b.copy_seconds(nbytes))
+                row = _row(b, dict(op="attention", mode="decode", kind=kind, B=B, context=ctx),
+                           us, visited, B, H, nbytes)
                 row.update(peak_frac=row["tflops"] / peak, baseline_us=base_us,
-                           speedup=base_us / us,
+                           speedup=base_us / us, host_us=host_us, dev_us=dev_us,
+                           baseline_host_us=base_host_us, baseline_dev_us=base_dev_us,
                            rel_diff=_rel_diff(fused(state, q, tk)[0], base(state, q, tk)))
                 b.record(**row)
 
@@ -138,14 +167,17 @@ def bench_prefill(b, n, kinds, H, k, peak):
         calls = {impl: jax.jit(lambda st, q_, tk_, ck, impl=impl: attention(
             st, layer, q_, slot, pos, sink=sink, topk=tk_, chunk_kv=ck, rope_inv_freq=inv,
             impl=impl, return_state=False)) for impl in ("auto", "reference")}
-        us = b.time(lambda i: calls["auto"](state, q, tk, chunk), 1) * 1e6
-        ref_us = b.time(lambda i: calls["reference"](state, q, tk, chunk), 1) * 1e6
+        us, host_us, dev_us = _timed(b, lambda: calls["auto"](state, q, tk, chunk))
+        ref_us, ref_host_us, ref_dev_us = _timed(b, lambda: calls["reference"](state, q, tk,
+                                                                               chunk))
         p = np.arange(n)
         comp = np.minimum((p + 1) // 4, k) if kind == "csa" else (p + 1) // C.HCA_RATIO
         visited = int(np.sum(np.minimum(p + 1, C.WINDOW) + comp))
-        row = _row(dict(op="attention", mode="prefill", kind=kind, B=1, context=n), us,
-                   visited, n, H, b.copy_seconds(visited * ENTRY_BYTES + 4 * n * H * C.HEAD_DIM))
+        row = _row(b, dict(op="attention", mode="prefill", kind=kind, B=1, context=n), us,
+                   visited, n, H, visited * ENTRY_BYTES + 4 * n * H * C.HEAD_DIM)
         row.update(peak_frac=row["tflops"] / peak, baseline_us=ref_us, speedup=ref_us / us,
+                   host_us=host_us, dev_us=dev_us, baseline_host_us=ref_host_us,
+                   baseline_dev_us=ref_dev_us,
                    rel_diff=_rel_diff(calls["auto"](state, q, tk, chunk)[0],
                                       calls["reference"](state, q, tk, chunk)[0]))
         b.record(**row)
@@ -167,7 +199,9 @@ def main(argv=None) -> int:
         bench_decode(b, (1, 8, 64, 128), (4096, 65536), ("csa", "hca"), H=64, k=512,
                      peak=args.peak_tflops)
         bench_prefill(b, 4096, ("csa", "hca"), H=64, k=512, peak=args.peak_tflops)
-    b.record(op="copy", gbps=b.copy_gbps)
+    rate = _copy_rate(b)
+    b.record(op="copy", gbps=rate / 1e9 if rate else b.copy_gbps,
+             timeline=rate is not None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"platform": b.platform, "rows": b.rows}, f, indent=1,

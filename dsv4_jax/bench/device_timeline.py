@@ -9,6 +9,7 @@ spent where (cache kernels, the copies XLA adds between calls, the rest).
 from __future__ import annotations
 
 import glob
+from collections import Counter
 import os
 import shutil
 import statistics
@@ -153,3 +154,26 @@ def kernel_sequence(step, layers, first, count=2):
                      "start_us": (start - t0) / 1e3, "us": dur / 1e3,
                      "gap_us": (start - prev_end) / 1e3})
     return rows, None
+
+
+def device_time(call, reps):
+    """One call of `call` on the GPU's timeline, over `reps` traced calls
+    (after one untraced): {"us": span from its first launch's start to its
+    last one's end, "busy_us": the launches' summed durations (medians over
+    the calls), "launches": kernels and memcpys a call, "kernels": {name:
+    count a call}, "split": whether the events split into identical calls
+    (if not, "us" is the whole trace's span over `reps`, gaps between calls
+    included)}. None where there is no GPU."""
+    events = kernel_events(call, runs=reps)
+    if not events:
+        return None
+    calls = split_steps(events, reps)
+    if calls:
+        us = statistics.median((max(t + d for t, d, _ in c) - c[0][0]) / 1e3 for c in calls)
+        busy = statistics.median(sum(d for _, d, _ in c) / 1e3 for c in calls)
+    else:
+        us = (max(t + d for t, d, _ in events) - events[0][0]) / 1e3 / reps
+        busy = sum(d for _, d, _ in events) / 1e3 / reps
+    names = Counter(kernel_name(n) for _, _, n in events)
+    return {"us": us, "busy_us": busy, "launches": len(events) / reps,
+            "kernels": {k: v / reps for k, v in names.most_common()}, "split": calls is not None}

@@ -45,7 +45,6 @@ import json
 import statistics
 import sys
 import time
-from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +56,7 @@ from ..request_moves import host_memory_kind
 from ..request_state import read_blocks, restore, snapshot, write_blocks
 from ..state import state_shapes
 from . import prefill
-from .device_timeline import kernel_events, kernel_name, split_steps
+from .device_timeline import device_time
 from .indexer import copy_bandwidth
 
 PRESETS = {"flash": dj.CacheConfig.flash, "pro": dj.CacheConfig.pro, "tiny": dj.CacheConfig.tiny}
@@ -93,29 +92,6 @@ def timed(call, reps, warm=2):
         jax.block_until_ready(call())
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def device_time(call, reps):
-    """One call of `call` on the GPU's timeline, over `reps` traced calls
-    (after one untraced): {"us": span from its first launch's start to its
-    last one's end, "busy_us": the launches' summed durations (medians over
-    the calls), "launches": kernels and memcpys a call, "kernels": {name:
-    count a call}, "split": whether the events split into identical calls
-    (if not, "us" is the whole trace's span over `reps`, gaps between calls
-    included)}. None where there is no GPU."""
-    events = kernel_events(call, runs=reps)
-    if not events:
-        return None
-    calls = split_steps(events, reps)
-    if calls:
-        us = statistics.median((max(t + d for t, d, _ in c) - c[0][0]) / 1e3 for c in calls)
-        busy = statistics.median(sum(d for _, d, _ in c) / 1e3 for c in calls)
-    else:
-        us = (max(t + d for t, d, _ in events) - events[0][0]) / 1e3 / reps
-        busy = sum(d for _, d, _ in events) / 1e3 / reps
-    names = Counter(kernel_name(n) for _, _, n in events)
-    return {"us": us, "busy_us": busy, "launches": len(events) / reps,
-            "kernels": {k: v / reps for k, v in names.most_common()}, "split": calls is not None}
 
 
 def _bits_equal(a, b) -> bool:
