@@ -47,9 +47,12 @@ def _chunk(cfg, chunk_kv, slot, pos, good, row_ok):
     """The call's own rows as append stores them: values [T, 512] shared by
     every query, seen mask [T (query), T (row)], and p0 per slot (the first
     position of each request in the call)."""
-    stored = quant.dequantize_kv(quant.quantize_kv(chunk_kv, cfg.kv_format), cfg.kv_format)
     finite = jnp.all(jnp.isfinite(chunk_kv.astype(jnp.float32)), axis=-1)
     usable = row_ok & finite
+    stored = quant.dequantize_kv(quant.quantize_kv(chunk_kv, cfg.kv_format), cfg.kv_format)
+    # zeros in the rows no query sees: every query's P.V sums over all T rows
+    # with weight 0 there, and 0 * NaN would poison the whole call
+    stored = jnp.where(usable[:, None], stored, jnp.zeros((), stored.dtype))
     t = pos[:, None]
     p = pos[None, :]
     seen = (good[:, None] & usable[None, :] & (slot[:, None] == slot[None, :])

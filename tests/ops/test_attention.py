@@ -8,7 +8,6 @@ its tokens one by one. Random caches are built from raw bytes, so every ring
 position, block and entry is chosen here."""
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -21,7 +20,7 @@ from support.tiny_step import errs
 
 FORMATS = ("ds_fp8", "fp8_token", "bf16")
 LAYER = {"swa": 0, "csa": 1, "hca": 2}          # CacheConfig.tiny(): SWA, CSA, HCA, CSA
-BOUND = 2.0 ** -6
+BOUND = AO.BOUND
 
 
 def CUDA_MARKS(fn):
@@ -31,14 +30,7 @@ def CUDA_MARKS(fn):
 INV_FREQ = np.asarray(D.yarn_inv_freq(), np.float32)
 
 
-def bf16(x):
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16)
-
-
-def queries(rng, T, H):
-    """Per-head RMS-normalized queries, as the model's q_b_norm leaves them."""
-    q = rng.standard_normal((T, H, 512))
-    return bf16(q / np.sqrt(np.mean(q * q, axis=-1, keepdims=True)))
+bf16, queries = AO.bf16, AO.queries
 
 
 def picks(rng, pos, k, extra=()):
@@ -64,18 +56,9 @@ def check(state, layer, q, slot, pos, sink, topk=None, chunk_kv=None, inv_freq=I
     out, lse, st = fn(state, *args)
     want, want_lse, M, want_err = AO.attention(state, layer, q, slot, pos, sink, topk, chunk_kv,
                                                inv_freq)
-    got = np.asarray(out, np.float32).astype(np.float64)
-    err = np.abs(got - want)
-    limit = BOUND * M[:, None, None] + 1e-30
-    bad = err > limit
-    assert not bad.any(), (f"{bad.sum()} outputs past 2^-6 M; worst ratio "
-                           f"{np.max(err / np.maximum(M[:, None, None], 1e-30)):.3g}")
-    lse = np.asarray(lse, np.float64)
-    fin = np.isfinite(want_lse)
-    np.testing.assert_array_equal(np.isfinite(lse), fin)
-    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-5, atol=1e-5)
+    AO.assert_within_bound(out, lse, want, want_lse, M)
     assert errs(st) == want_err
-    return got, lse, st
+    return np.asarray(out, np.float32).astype(np.float64), np.asarray(lse, np.float64), st
 
 
 def decode_batch(rng, lengths, k, pads=2):

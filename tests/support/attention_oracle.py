@@ -138,6 +138,36 @@ def attention(state, layer: int, q, slot, pos, sink, topk=None, chunk_kv=None, i
     return out, lse, M, errors
 
 
+
+def bf16(x):
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16)
+
+
+def queries(rng, T, H):
+    """Per-head RMS-normalized bf16 queries [T, H, 512], as the model's
+    q_b_norm leaves them."""
+    q = rng.standard_normal((T, H, 512))
+    return bf16(q / np.sqrt(np.mean(q * q, axis=-1, keepdims=True)))
+
+BOUND = 2.0 ** -6           # each implementation's distance from exact, in units of M
+
+
+def assert_within_bound(out, lse, want, want_lse, M, rows=None):
+    """An implementation's (out, lse) against this oracle's on `rows` (all
+    by default): every output within 2^-6 * M of exact, lse finite exactly
+    where the oracle's is and within 1e-5 of it there."""
+    rows = slice(None) if rows is None else rows
+    got = np.asarray(out, np.float32).astype(np.float64)[rows]
+    want, M = np.asarray(want)[rows], np.asarray(M)[rows]
+    err = np.abs(got - want)
+    bad = ~(err <= BOUND * M[:, None, None] + 1e-30)             # a NaN output is bad too
+    assert not bad.any(), (f"{bad.sum()} outputs past 2^-6 M; worst ratio "
+                           f"{np.max(err / np.maximum(M[:, None, None], 1e-30)):.3g}")
+    lse, want_lse = np.asarray(lse, np.float64)[rows], np.asarray(want_lse)[rows]
+    fin = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-5, atol=1e-5)
+
 # ---- random caches ------------------------------------------------------------------------
 def random_state(fmt: str, lengths: dict, *, R=4, max_context=1024, seed=0, missing=(),
                  capacity=None):
