@@ -5,7 +5,9 @@ other byte alone, and count each bad row once under its kind. flush is the
 exception: a dropped row of a request keeps its expected position (§3), so
 it is not padding; flush's result is held against the serial model of its
 rule (support/flush_rule.py) and, exactly, against the call with its bad-slot
-rows padded."""
+rows padded. attention is the other: a NaN/Inf in q drops only that query (in
+a prefill chunk its kv row is still its neighbours' window row), and a NaN/Inf
+chunk_kv row is seen by no query while its own query attends (§6)."""
 import dataclasses
 import os
 
@@ -19,6 +21,7 @@ import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as K
 from dsv4_jax.workload import layer_params
+from support import attention_oracle as AO
 from support.flush_rule import check_flush
 from support.trees import assert_trees_bytes_equal
 
@@ -262,3 +265,129 @@ def test_indexer_drops_exactly_the_bad_rows(rows, seed):
     assert counts_delta(want, BASE) == ({K.MISSING_BLOCK: missing} if missing else {})
     np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
     assert np.all(np.asarray(got_idx)[np.isin(kind, [1, 2, 3, 5])] == -1)
+
+
+# ---- attention ------------------------------------------------------------------------------
+# A cache built from random bytes (support.attention_oracle): ring rows of every
+# slot (slot 2 none), every block of slots 0-2 but slot 1's logical block 2,
+# no block at all for slot 3 (its picks and entries meet MISSING_BLOCK).
+RING = {0: 300, 1: 140, 2: 0, 3: 200}
+ATT = AO.random_state("ds_fp8", RING, R=R, max_context=MAXCTX, seed=50, missing=[(1, 2)],
+                      capacity={0: MAXCTX, 1: MAXCTX, 2: 384})
+# a prefill chunk of request s starts here: slot 0's overlaps its ring (the p0 cut)
+CHUNK_START = {0: 280, 1: 140, 2: 0, 3: 200}
+TA, HA, KA = 24, 4, 8
+FREQ = jnp.asarray(dj.yarn_inv_freq(), jnp.float32)
+ATT_SETTINGS = settings(SETTINGS, max_examples=min(SETTINGS.max_examples, 6))
+
+
+@st.composite
+def attention_rows(draw, chunk: bool):
+    """TA rows of one attention call: (slot, pos, kind) with the kinds of
+    token_rows (4 does not occur: slot 3 is a valid request here) and 6, a
+    good row whose chunk_kv the test makes NaN/Inf. Decode rows take any
+    position, often one near the end of the slot's ring; a chunk's rows of request s take CHUNK_START[s], +1, ... in
+    the order drawn, bad ones too (then shuffled), and a kind-6 row is never
+    its request's first row with a good slot and position, so padding it
+    leaves p0 (and every other query's rows) as they are."""
+    slot, pos, kind = [], [], []
+    taken = {s: 0 for s in range(R)}
+    has_ok = {s: False for s in range(R)}
+    for _ in range(TA):
+        k = draw(st.sampled_from([0, 0, 0, 1, 2, 3, 5] + ([6] if chunk else [])))
+        if k == 1:
+            slot.append(-1), pos.append(draw(st.integers(-5, 5))), kind.append(1)
+            continue
+        s = draw(st.integers(0, R - 1))
+        if k == 6 and not has_ok[s]:
+            k = 0
+        if chunk:
+            p = CHUNK_START[s] + taken[s]
+        else:                       # anywhere, or near the ring's end (most of it in the window)
+            p = draw(st.one_of(st.integers(0, MAXCTX - 1), st.integers(-30, 100).map(
+                lambda d, s=s: min(max(RING[s] - 1 + d, 0), MAXCTX - 1))))
+        taken[s] += 1
+        has_ok[s] |= k in (0, 5, 6)
+        if k == 2:
+            s = draw(bad_slot)
+        elif k == 3:
+            p = draw(bad_pos)
+        slot.append(s), pos.append(p), kind.append(k)
+    order = np.array(draw(st.permutations(range(TA))))
+    return (np.array(slot, np.int32)[order], np.array(pos, np.int32)[order],
+            np.array(kind)[order])
+
+
+def random_picks(rng, pos):
+    """topk i32[TA, KA]: visible picks (repeats possible), -1, indices not
+    visible yet and indices < -1."""
+    out = np.empty((len(pos), KA), np.int32)
+    for t, p in enumerate(pos):
+        vis = (int(p) + 1) // C.CSA_RATIO if 0 <= p < MAXCTX else 10
+        for j in range(KA):
+            c = rng.choice(4, p=[0.55, 0.2, 0.15, 0.1])
+            out[t, j] = (rng.integers(0, vis) if c == 0 and vis else -1 if c < 2 else
+                         rng.integers(vis, vis + 40) if c == 2 else rng.integers(-50, -1))
+    return out
+
+
+_attend = jax.jit(lambda st, layer, q, s, p, sink, tk, ck: dj.attention(
+    st, layer, q, s, p, sink=sink, topk=tk, chunk_kv=ck, rope_inv_freq=FREQ), static_argnums=1)
+
+
+@ATT_SETTINGS
+@pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
+@pytest.mark.parametrize("mode", ["decode", "chunk"])
+@given(data=st.data(), seed=st.integers(0, 2**31 - 1))
+def test_attention_drops_exactly_the_bad_rows(mode, layer, data, seed):
+    """Rows with a bad slot or position give exactly the call with them as
+    padding (in a chunk too: no one's window row); a NaN/Inf in q drops only
+    that query (its kv stays a chunk row its neighbours see); a NaN/Inf
+    chunk_kv row is seen by no query, its own still attends. Dropped and
+    padding rows are out 0, lse -inf; each bad row counts once, under the
+    first rule it breaks (a bad slot or position with a NaN q too); BAD_INDEX
+    and MISSING_BLOCK per index or entry of the good rows, as the oracle
+    counts them; the rows that attend are within the bound of the oracle."""
+    chunk_mode = mode == "chunk"
+    slot, pos, kind = data.draw(attention_rows(chunk_mode))
+    rng = np.random.default_rng(seed)
+    clean_q = AO.queries(rng, TA, HA)
+    q = clean_q.copy()
+    for t in np.flatnonzero(np.isin(kind, [1, 2, 3, 5])):   # padding and earlier rules first
+        if kind[t] == 5 or rng.random() < 0.5:
+            q[t, rng.integers(HA), rng.integers(C.HEAD_DIM)] = rng.choice([np.nan, np.inf, -np.inf])
+    chunk = None
+    if chunk_mode:
+        chunk = AO.bf16(rng.normal(0, 1, (TA, C.HEAD_DIM)))
+        for t in np.flatnonzero(kind == 6):
+            chunk[t, rng.integers(C.HEAD_DIM)] = rng.choice([np.nan, np.inf, -np.inf])
+    sink = rng.normal(0, 1, HA).astype(np.float32)
+    topk = random_picks(rng, pos) if layer == 1 else None
+
+    def call(q_, slot_):
+        out, lse, st_ = _attend(ATT, layer, *(None if x is None else jnp.asarray(x) for x in (
+            q_, slot_, pos, sink, topk, chunk)))
+        assert_trees_bytes_equal(dataclasses.replace(st_, errors=ATT.errors), ATT)
+        return np.asarray(out, np.float32), np.asarray(lse), counts_delta(st_, ATT)
+    out, lse, counts = call(q, slot)
+    # the same call with bad slots, bad positions and NaN/Inf kv rows as padding
+    # and finite queries in place of the NaN/Inf ones
+    want_q = np.where((kind == 5)[:, None, None], clean_q, q)
+    want_slot = padded(slot, kind, [2, 3, 6])
+    want_out, want_lse, want_counts = call(want_q, want_slot)
+
+    same = np.isin(kind, [0, 1])
+    np.testing.assert_array_equal(out[same].view(np.uint32), want_out[same].view(np.uint32))
+    np.testing.assert_array_equal(lse[same].view(np.uint32), want_lse[same].view(np.uint32))
+    dropped = np.isin(kind, [1, 2, 3, 5])
+    assert not out[dropped].any() and np.all(lse[dropped] == -np.inf)
+    # against the float64 oracle: every row (kind 6 attends over its
+    # neighbours' rows, not its own), and every count
+    oracle_out, oracle_lse, M, oracle_counts = AO.attention(ATT, layer, q, slot, pos, sink, topk,
+                                                            chunk, FREQ)
+    AO.assert_within_bound(out, lse, oracle_out, oracle_lse, M)
+    assert counts == oracle_counts
+    per_token = {k: v for k, v in counts.items() if k in (K.BAD_SLOT, K.BAD_POSITION, K.NONFINITE)}
+    assert per_token == expected_counts(kind, missing_counts=False)
+    assert want_counts == AO.attention(ATT, layer, want_q, want_slot, pos, sink, topk, chunk,
+                                       FREQ)[3]
