@@ -247,7 +247,10 @@ __device__ __forceinline__ void WarpEncodeEntry(const EntryPool& p, int64_t e, c
     for (int off = 1; off < 32; off <<= 1) a = num::MaxF(a, __shfl_xor_sync(kFull, a, off));
     slo = shi = a / num::kE4m3Max;
   }
-  // e4m3 saturates at +-448 as the host's clamp does; the rows are finite
+  // e4m3 saturates at +-448 as the host's clamp does; the pair instruction
+  // gives F32ToE4m3's code for every value but NaN (append's rows are finite;
+  // only an entry that overflowed in flush could hold one, and then its code
+  // may lose the NaN's sign)
   const bool pow2 = p.fmt == kDsFp8;
   auto codes8 = [pow2](const float* x, float s, float inv_s) {
     uint32_t w[2];

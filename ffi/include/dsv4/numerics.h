@@ -152,7 +152,7 @@ DSV4_HD uint8_t F32ToE4m3(float f) {
 // saturating to +-448 like F32ToE4m3; the portable form is what the CPU runs.
 // The two agree on every fp32 input but NaN (whose code may lose its sign):
 // tests/numerics/test_numerics_gpu.py sweeps all 2^32 patterns on the GPU.
-// Callers pass no NaN.
+// A NaN's code is a NaN code either way (its sign may differ).
 DSV4_HD uint16_t F32PairToE4m3(float x0, float x1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint16_t r;
