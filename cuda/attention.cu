@@ -1,309 +1,38 @@
 // CUDA handler of attention (operands in ffi/attention.h, rules in
-// docs/design.md §6 and dsv4_jax/ops/attention.py). A first, simple kernel on
-// CUDA cores: one CTA per (query token, group of 16 heads), 8 warps of 2
-// heads each.
-//
-// The CTA walks the token's candidate items — the 128 window positions
-// (ring), the call's rows (prefill chunk), then the CSA picks or the HCA
-// entries — 256 at a time: each thread decides one item (and counts its
-// BAD_INDEX / MISSING_BLOCK in the CTA of the first head group only), the
-// items seen are compacted in item order (deterministic), and they are
-// processed in tiles of 32 rows dequantized to bf16 in shared memory (a
-// chunk row is encoded into a per-warp one-entry pool first, so it reads
-// back as append stores it). Each warp then runs the online softmax of its
-// heads over the tile: a lane owns the 16 channels of its two 8-channel
-// chunks (the entry layout of kernels.cuh), the logit is a warp sum, the
-// weights e^(s - m) are rounded to bf16 for P·V and summed unrounded for the
-// denominator, and the running max starts at the sink (docs/design.md §6: the
-// online form rounds each weight relative to the running max; the bound
-// there covers it).
+// docs/design.md §6 and dsv4_jax/ops/attention.py). On Hopper (sm_90) the
+// tensor-core kernel (attention_wgmma.cuh), its split partials merged by
+// attention_combine.cuh; elsewhere the CUDA-core kernel (attention_simt.cuh),
+// which ignores the workspace.
 #include <cuda_runtime.h>
 
-#include <climits>
-
-#include "attention.h"
+#include "attention_combine.cuh"
+#include "attention_simt.cuh"
+#include "attention_wgmma.cuh"
 #include "handlers_cuda.h"
 #include "kernels.cuh"
 
 namespace dsv4 {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kHeadsPerWarp = 2;
-constexpr int kHeadsPerCta = kWarps * kHeadsPerWarp;
-constexpr int kTileRows = 32;
-constexpr int kLaneChannels = 2 * cuda::kChunk;   // channels a lane owns
-
-enum Source : uint8_t { kFromRing = 0, kFromChunk = 1, kFromPool = 2 };
-
-struct Shared {
-  alignas(16) uint16_t tile[kTileRows][kHeadDim];
-  // one-entry pools, one per warp, for encoding a chunk row as append does
-  alignas(16) uint8_t scratch_nope[kWarps][kNopeDim * 2];
-  alignas(16) uint16_t scratch_rope[kWarps][kRopeDim];
-  alignas(16) float scratch_scale[kWarps][2];
-  int64_t sel[kThreads];
-  uint8_t src[kThreads];
-  int warp_count[kWarps];
-  int first_pos;
-};
-
-// The channel of element i (0..15) of a lane's two chunks.
-__device__ __forceinline__ int LaneChannel(int lane, int i) {
-  return i < cuda::kChunk ? cuda::kChunk * lane + i : cuda::kChunk * (lane + 32) + i - cuda::kChunk;
-}
-
-// A lane's 16 channels of a bf16 row (global or shared) as fp32.
-__device__ __forceinline__ void LoadLaneRow(const uint16_t* row, int lane, float* x) {
-  const uint4* v = reinterpret_cast<const uint4*>(row);
-  cuda::UnpackBf16x8(v[lane], x);
-  cuda::UnpackBf16x8(v[lane + 32], x + cuda::kChunk);
-}
-
-__device__ __forceinline__ bool RowFinite(const uint16_t* row) {
-  bool ok = true;
-  for (int c = 0; c < kHeadDim; ++c) ok = ok && num::Bf16IsFinite(__ldg(row + c));
-  return ok;
-}
-
-__device__ __forceinline__ float WarpSum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(cuda::kFull, x, off);
-  return x;
-}
-
-__device__ __forceinline__ float WarpMax(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(cuda::kFull, x, off));
-  return x;
-}
-
-// Dequantizes a selected row (source, entry or chunk row) into tile row `out`;
-// one warp, all lanes.
-__device__ void StageRow(const AttentionArgs& a, Shared& sm, int warp, uint8_t src, int64_t e,
-                         uint16_t* out) {
-  if (src == kFromRing) {
-    cuda::WarpDecodeEntry(a.ring, e, out);
-  } else if (src == kFromPool) {
-    cuda::WarpDecodeEntry(a.pool, e, out);
-  } else {
-    const int lane = threadIdx.x & 31;
-    float lo[cuda::kChunk], hi[cuda::kChunk];
-    const uint4* row = reinterpret_cast<const uint4*>(a.chunk_kv + e * kHeadDim);
-    cuda::UnpackBf16x8(__ldg(row + lane), lo);
-    cuda::UnpackBf16x8(__ldg(row + lane + 32), hi);
-    EntryPool one;
-    one.fmt = a.ring.fmt;
-    one.nope = sm.scratch_nope[warp];
-    one.rope = sm.scratch_rope[warp];
-    one.scale = reinterpret_cast<uint8_t*>(sm.scratch_scale[warp]);
-    cuda::WarpEncodeEntry(one, 0, lo, hi);
-    __syncwarp();
-    cuda::WarpDecodeEntry<false>(one, 0, out);
-    __syncwarp();
+ffi::Error LaunchTensorCores(const AttentionArgs& a, cudaStream_t stream) {
+  namespace tc = cuda::tc;
+  const cudaError_t e =
+      cuda::AllowDynamicShared<tc::AttentionWgmmaKernel>(static_cast<int>(tc::kSharedBytes));
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("attention: shared memory: ") + cudaGetErrorString(e));
+  const int splits = static_cast<int>(a.splits);
+  dim3 grid(static_cast<unsigned>(a.T > 0 ? a.T : 1),
+            static_cast<unsigned>((a.H + tc::kHeads - 1) / tc::kHeads),
+            static_cast<unsigned>(splits));
+  tc::AttentionWgmmaKernel<<<grid, tc::kThreads, tc::kSharedBytes, stream>>>(a, a.workspace,
+                                                                            splits);
+  if (splits > 1 && a.T > 0) {
+    const int64_t rows = a.T * a.H;
+    const unsigned blocks = static_cast<unsigned>((rows + tc::kCombineWarps - 1) / tc::kCombineWarps);
+    tc::AttentionCombineKernel<<<blocks, tc::kCombineWarps * 32, 0, stream>>>(a, a.workspace,
+                                                                             splits);
   }
-}
-
-// Whether item `it` of token (s, p) is seen; sets its source and entry (or
-// chunk row), and counts a bad CSA index or a missing block when `counts`.
-__device__ bool DecideItem(const AttentionArgs& a, int64_t l, int64_t lk, int64_t s, int64_t p,
-                           int64_t first_pos, int64_t it, bool counts, uint8_t* src, int64_t* e) {
-  const int64_t lo = p - kWindow + 1 > 0 ? p - kWindow + 1 : 0;
-  if (it < kWindow) {
-    const int64_t w = lo + it;
-    if (w > p || w >= first_pos) return false;
-    *e = (l * a.R + s) * kWindow + w % kWindow;
-    *src = kFromRing;
-    return __ldg(a.swa_pos + *e) == w;
-  }
-  it -= kWindow;
-  if (a.has_chunk) {
-    if (it < a.T) {
-      const int64_t rs = __ldg(a.slot + it), rp = __ldg(a.pos + it);
-      if (rs != s || !QueryPositionOk(rp, a.MB) || !WindowSees(rp, p)) return false;
-      if (!RowFinite(a.chunk_kv + it * kHeadDim)) return false;
-      *e = it;
-      *src = kFromChunk;
-      return true;
-    }
-    it -= a.T;
-  }
-  int err = -1;
-  int64_t block = -1, row = 0;
-  if (a.kind == kAttnCsa) {
-    const int64_t i = __ldg(a.topk + blockIdx.x * a.K + it);
-    if (i == -1) return false;
-    if (i < -1 || i >= IndexVisible(p, a.MB * a.per_block)) {
-      err = kBadIndex;
-    } else {
-      block = __ldg(a.block_table + s * a.MB + i / a.per_block);
-      row = i % a.per_block;
-    }
-  } else {
-    block = __ldg(a.block_table + s * a.MB + it);
-  }
-  if (err < 0 && (block < 0 || block >= a.N)) err = kMissingBlock;
-  if (err >= 0) {
-    if (counts) atomicAdd(&a.errors[err], 1);
-    return false;
-  }
-  *e = (lk * a.N + block) * a.per_block + row;
-  *src = kFromPool;
-  return true;
-}
-
-// Online-softmax state of one head in one warp: lane-owned numerator channels.
-struct HeadState {
-  float q[kLaneChannels];
-  float acc[kLaneChannels];
-  float m, den;
-};
-
-// Folds tile rows 0..n-1 into head state `st`.
-__device__ void FoldTile(const Shared& sm, int n, HeadState& st) {
-  const int lane = threadIdx.x & 31;
-  float mine = -INFINITY;                       // lane j: the logit of row j
-  for (int j = 0; j < n; ++j) {
-    float v[kLaneChannels];
-    LoadLaneRow(sm.tile[j], lane, v);
-    float part = 0.f;
-#pragma unroll
-    for (int i = 0; i < kLaneChannels; ++i) part = part + st.q[i] * v[i];
-    const float s = WarpSum(part) * AttnScale();
-    if (lane == j) mine = s;
-  }
-  const float m_new = fmaxf(st.m, WarpMax(mine));
-  const float rescale = m_new == st.m ? 1.f : expf(st.m - m_new);
-  const float e = lane < n && m_new != -INFINITY ? expf(mine - m_new) : 0.f;
-  st.den = st.den * rescale + WarpSum(e);
-#pragma unroll
-  for (int i = 0; i < kLaneChannels; ++i) st.acc[i] = st.acc[i] * rescale;
-  for (int j = 0; j < n; ++j) {
-    const float w = num::RoundBf16(__shfl_sync(cuda::kFull, e, j));
-    float v[kLaneChannels];
-    LoadLaneRow(sm.tile[j], lane, v);
-#pragma unroll
-    for (int i = 0; i < kLaneChannels; ++i) st.acc[i] = st.acc[i] + w * v[i];
-  }
-  st.m = m_new;
-}
-
-// Writes head h's output row and lse from its final state (or zeros / -inf).
-__device__ void FinishHead(const AttentionArgs& a, int64_t t, int64_t h, const HeadState& st,
-                           bool live) {
-  const int lane = threadIdx.x & 31;
-  uint4* out = reinterpret_cast<uint4*>(a.out + (t * a.H + h) * kHeadDim);
-  if (!live || st.m == -INFINITY) {
-    out[lane] = out[lane + 32] = make_uint4(0, 0, 0, 0);
-    if (lane == 0) a.lse[t * a.H + h] = -INFINITY;
-    return;
-  }
-  float y[kLaneChannels];
-#pragma unroll
-  for (int i = 0; i < kLaneChannels; ++i) y[i] = num::RoundBf16(st.acc[i] / st.den);
-  if (a.inv_freq != nullptr && lane + 32 >= cuda::kNopeChunks) {   // this lane's RoPE pairs
-    const float pos = static_cast<float>(__ldg(a.pos + t));
-#pragma unroll
-    for (int i = cuda::kChunk; i < kLaneChannels; i += 2) {
-      const int k = (LaneChannel(lane, i) - kNopeDim) / 2;
-      InverseRopePair(y[i], y[i + 1], pos * __ldg(a.inv_freq + k), &y[i], &y[i + 1]);
-    }
-  }
-  out[lane] = cuda::PackBf16x8(y);
-  out[lane + 32] = cuda::PackBf16x8(y + cuda::kChunk);
-  if (lane == 0) a.lse[t * a.H + h] = st.m + logf(st.den);
-}
-
-__global__ void __launch_bounds__(kThreads) AttentionKernel(AttentionArgs a) {
-  __shared__ Shared sm;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t t = blockIdx.x;
-  const bool counts = blockIdx.y == 0;          // the first head group counts the token
-  const int64_t l = __ldg(a.layer), lk = __ldg(a.comp_layer);
-  const bool layer_ok = l >= 0 && l < a.L && (a.kind == kAttnSwa || (lk >= 0 && lk < a.Lk));
-  if (!layer_ok && blockIdx.x == 0 && blockIdx.y == 0 && tid == 0)
-    atomicAdd(&a.errors[kBadLayer], 1);
-  if (t >= a.T) return;                          // T = 0: one CTA, only to count a bad layer
-  const int64_t s = __ldg(a.slot + t), p = __ldg(a.pos + t);
-  int err = -1;
-  bool live = layer_ok && s != -1;
-  if (live && (s < 0 || s >= a.R)) err = kBadSlot;
-  else if (live && !QueryPositionOk(p, a.MB)) err = kBadPosition;
-  live = live && err < 0;
-  // NaN or Inf anywhere in the token's q (all heads): NONFINITE
-  bool bad_q = false;
-  if (live) {
-    const uint16_t* q = a.q + t * a.H * kHeadDim;
-    for (int64_t i = tid; i < a.H * kHeadDim; i += kThreads)
-      bad_q = bad_q || !num::Bf16IsFinite(__ldg(q + i));
-  }
-  if (__syncthreads_or(bad_q)) {
-    err = kNonfinite;
-    live = false;
-  }
-  if (counts && tid == 0 && err >= 0) atomicAdd(&a.errors[err], 1);
-
-  HeadState st[kHeadsPerWarp];
-  const int64_t h0 = blockIdx.y * kHeadsPerCta + warp * kHeadsPerWarp;
-#pragma unroll
-  for (int k = 0; k < kHeadsPerWarp; ++k) {
-    const int64_t h = h0 + k;
-    const float sink = h < a.H ? __ldg(a.sink + h) : 0.f;
-    st[k].m = sink;
-    st[k].den = sink == -INFINITY ? 0.f : 1.f;
-#pragma unroll
-    for (int i = 0; i < kLaneChannels; ++i) st[k].acc[i] = 0.f;
-    if (live && h < a.H) LoadLaneRow(a.q + (t * a.H + h) * kHeadDim, lane, st[k].q);
-  }
-
-  if (live) {
-    int64_t first_pos = LLONG_MAX;
-    if (a.has_chunk) {                          // p0: the request's first position in the call
-      if (tid == 0) sm.first_pos = INT_MAX;
-      __syncthreads();
-      for (int64_t r = tid; r < a.T; r += kThreads)
-        if (__ldg(a.slot + r) == s && QueryPositionOk(__ldg(a.pos + r), a.MB))
-          atomicMin(&sm.first_pos, __ldg(a.pos + r));
-      __syncthreads();
-      first_pos = sm.first_pos;
-    }
-    const int64_t extra = a.kind == kAttnCsa ? a.K : a.kind == kAttnHca ? HcaVisible(p, a.MB) : 0;
-    const int64_t items = kWindow + (a.has_chunk ? a.T : 0) + extra;
-    for (int64_t base = 0; base < items; base += kThreads) {
-      uint8_t src = 0;
-      int64_t e = 0;
-      const int64_t it = base + tid;
-      const bool seen = it < items && DecideItem(a, l, lk, s, p, first_pos, it, counts, &src, &e);
-      const unsigned ballot = __ballot_sync(cuda::kFull, seen);
-      if (lane == 0) sm.warp_count[warp] = __popc(ballot);
-      __syncthreads();
-      int before = 0, total = 0;
-      for (int w = 0; w < kWarps; ++w) {
-        before += w < warp ? sm.warp_count[w] : 0;
-        total += sm.warp_count[w];
-      }
-      if (seen) {
-        const int k = before + __popc(ballot & ((1u << lane) - 1u));
-        sm.sel[k] = e;
-        sm.src[k] = src;
-      }
-      __syncthreads();
-      for (int k0 = 0; k0 < total; k0 += kTileRows) {
-        const int n = total - k0 < kTileRows ? total - k0 : kTileRows;
-        for (int r = warp; r < n; r += kWarps)
-          StageRow(a, sm, warp, sm.src[k0 + r], sm.sel[k0 + r], sm.tile[r]);
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < kHeadsPerWarp; ++k)
-          if (h0 + k < a.H) FoldTile(sm, n, st[k]);
-        __syncthreads();
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kHeadsPerWarp; ++k)
-    if (h0 + k < a.H) FinishHead(a, t, h0 + k, st[k], live);
+  return cuda::LaunchStatus("attention");
 }
 
 ffi::Error AttentionImpl(cudaStream_t stream, int64_t kv_format, int64_t kind,
@@ -313,14 +42,15 @@ ffi::Error AttentionImpl(cudaStream_t stream, int64_t kv_format, int64_t kind,
                          ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,
                          ffi::AnyBuffer errors_in, ffi::RemainingArgs entry_args,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                         ffi::Result<ffi::AnyBuffer> errors) {
+                         ffi::Result<ffi::AnyBuffer> errors,
+                         ffi::Result<ffi::AnyBuffer> workspace) {
   AttentionArgs a;
   DSV4_RETURN_IF_ERROR(ValidateAttention(kv_format, kind, layer, comp_layer, q, token_slot,
                                          token_pos, topk, chunk_kv, sink, inv_freq, block_table,
-                                         swa_pos, errors_in, entry_args, *out, *lse, *errors, &a));
-  dim3 grid(static_cast<unsigned>(a.T > 0 ? a.T : 1),
-            static_cast<unsigned>((a.H + kHeadsPerCta - 1) / kHeadsPerCta));
-  AttentionKernel<<<grid, kThreads, 0, stream>>>(a);
+                                         swa_pos, errors_in, entry_args, *out, *lse, *errors,
+                                         *workspace, &a));
+  if (cuda::ComputeMajor() == 9) return LaunchTensorCores(a, stream);
+  cuda::simt::LaunchAttentionSimt(a, stream);
   return cuda::LaunchStatus("attention");
 }
 

@@ -49,6 +49,7 @@ inline int DeviceAttribute(int fallback) {
 }
 inline int SmCount() { return DeviceAttribute<cudaDevAttrMultiProcessorCount>(132); }
 inline int64_t L2Bytes() { return DeviceAttribute<cudaDevAttrL2CacheSize>(50 << 20); }
+inline int ComputeMajor() { return DeviceAttribute<cudaDevAttrComputeCapabilityMajor>(9); }
 
 // Lets kernel `kKernel` take up to `bytes` of dynamic shared memory (past
 // the default 48 KB). The limit is an attribute of the kernel on each
@@ -369,18 +370,26 @@ __device__ __forceinline__ EntryRegs WarpLoadEntry(const EntryPool& p, int64_t e
   return r;
 }
 
+// Decodes loaded entry bytes to bf16: the lane's chunk `lane` to *lo and its
+// chunk `lane + 32` to *hi (16-byte aligned each; a row in shared memory may
+// place its chunks anywhere, e.g. swizzled for the tensor cores).
+__device__ __forceinline__ void WarpStoreEntryChunks(int fmt, const EntryRegs& r, uint4* lo,
+                                                     uint4* hi) {
+  const int jhi = (threadIdx.x & 31) + 32;
+  if (fmt == kBf16) {
+    *lo = r.lo;
+    *hi = r.hi;
+    return;
+  }
+  *lo = DequantChunk(make_uint2(r.lo.x, r.lo.y), r.slo);
+  *hi = jhi < kNopeChunks ? DequantChunk(make_uint2(r.hi.x, r.hi.y), r.shi) : r.hi;
+}
+
 // Decodes loaded entry bytes to 512 bf16 at `out` (16-byte aligned).
 __device__ __forceinline__ void WarpStoreEntry(int fmt, const EntryRegs& r, uint16_t* out) {
   const int lane = threadIdx.x & 31;
-  const int jlo = lane, jhi = lane + 32;
   uint4* dst = reinterpret_cast<uint4*>(out);
-  if (fmt == kBf16) {
-    dst[jlo] = r.lo;
-    dst[jhi] = r.hi;
-    return;
-  }
-  dst[jlo] = DequantChunk(make_uint2(r.lo.x, r.lo.y), r.slo);
-  dst[jhi] = jhi < kNopeChunks ? DequantChunk(make_uint2(r.hi.x, r.hi.y), r.shi) : r.hi;
+  WarpStoreEntryChunks(fmt, r, dst + lane, dst + lane + 32);
 }
 
 // Writes entry e of `p` as 512 bf16 to `out` (16-byte aligned). All 32 lanes

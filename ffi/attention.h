@@ -7,7 +7,10 @@
 //         inv_freq f32[32 or 0], block_table s32[R,MB], swa.pos s32[L,R,128],
 //         errors s32[8], swa.kv entries [L,R,128,...], then the kind's pool
 //         entries [Lk,N,32 or 1,...] (none for SWA)
-//   rets  out bf16[T,H,512], lse f32[T,H], errors (aliased when the state is returned)
+//   rets  out bf16[T,H,512], lse f32[T,H], errors (aliased when the state is
+//         returned), workspace f32[S,T,Hp,516] (S >= 2 splits of each token's
+//         items on the CUDA tensor-core kernel, Hp = H rounded up to 64; S = 0
+//         rows: no split; the CPU handler takes S = 0)
 #pragma once
 
 #include <cstdint>
@@ -41,7 +44,13 @@ struct AttentionArgs {
   uint16_t* out = nullptr;             // bf16 bits [T, H, 512]
   float* lse = nullptr;                // [T, H]
   int32_t* errors = nullptr;
+  int64_t splits = 1;                  // the workspace's S, 1 for none
+  float* workspace = nullptr;          // [S, T, Hp, 516] when splits > 1
 };
+
+// Floats a workspace row holds: the numerator O[512], the running max, the
+// denominator, and padding to 16 bytes.
+constexpr int64_t kAttnWorkspaceRow = 516;
 
 template <typename Binding>
 auto BindAttention(Binding binding) {
@@ -63,7 +72,8 @@ auto BindAttention(Binding binding) {
       .RemainingArgs()                 // swa.kv leaves, then the pool's
       .template Ret<ffi::AnyBuffer>()  // out
       .template Ret<ffi::AnyBuffer>()  // lse
-      .template Ret<ffi::AnyBuffer>();  // errors
+      .template Ret<ffi::AnyBuffer>()  // errors
+      .template Ret<ffi::AnyBuffer>();  // workspace
 }
 
 inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuffer layer,
@@ -74,7 +84,7 @@ inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuf
                                     ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,
                                     ffi::AnyBuffer errors_in, const ffi::RemainingArgs& entry_args,
                                     ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer errors,
-                                    AttentionArgs* result) {
+                                    ffi::AnyBuffer workspace, AttentionArgs* result) {
   AttentionArgs a;
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   if (kind != kAttnSwa && kind != kAttnCsa && kind != kAttnHca)
@@ -138,6 +148,15 @@ inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuf
   }
   DSV4_RETURN_IF_ERROR(CheckBuffer("out (result)", out, ffi::DataType::BF16, {a.T, a.H, kHeadDim}));
   DSV4_RETURN_IF_ERROR(CheckBuffer("lse (result)", lse, ffi::DataType::F32, {a.T, a.H}));
+  const int64_t hp = (a.H + 63) / 64 * 64;
+  DSV4_RETURN_IF_ERROR(CheckBuffer("workspace (result)", workspace, ffi::DataType::F32,
+                                   {-1, a.T, hp, kAttnWorkspaceRow}));
+  const int64_t splits = workspace.dimensions()[0];
+  if (splits == 1)
+    return ffi::Error::InvalidArgument("workspace (result): expected 0 splits (none) or at "
+                                       "least 2, got 1");
+  a.splits = splits > 1 ? splits : 1;
+  a.workspace = splits > 1 ? static_cast<float*>(workspace.untyped_data()) : nullptr;
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
   a.comp_layer = static_cast<const int32_t*>(comp_layer.untyped_data());
   a.q = static_cast<const uint16_t*>(q.untyped_data());

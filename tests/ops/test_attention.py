@@ -215,16 +215,17 @@ def test_prefill_chunk_equals_decoding_one_by_one(kind, impl_under_test):
 
 
 @every_impl
-@pytest.mark.parametrize("kind", ["csa", "hca"])
-def test_flash_shapes_many_requests(kind):
-    """V4-Flash's 64 heads (four head groups on CUDA) and k = 512 (more items
-    than one pass of the CUDA kernel), eight requests up to 4k tokens."""
+@pytest.mark.parametrize("kind,H", [("csa", 64), ("hca", 64), ("csa", 96)])
+def test_flash_shapes_many_requests(kind, H):
+    """V4-Flash's 64 heads and k = 512 (more items than one pass of the CUDA
+    kernels: ten 64-row tiles, which the tensor-core kernel splits over CTAs),
+    eight requests up to 4k tokens; 96 heads make one full and one partial
+    64-head group."""
     rng = np.random.default_rng(9)
     lengths = {s: int(n) for s, n in enumerate(rng.integers(1, 4096, 8))}
     lengths[0] = 4096
     state = AO.random_state("ds_fp8", lengths, R=8, max_context=4096, seed=10)
     slot, pos = decode_batch(rng, lengths, 512, pads=1)
-    H = 64
     topk = picks(rng, pos, 512) if kind == "csa" else None
     check(state, LAYER[kind], queries(rng, len(slot), H), slot, pos,
           rng.normal(0, 1, H).astype(np.float32), topk)

@@ -1,0 +1,114 @@
+// What a query token of dsv4_attention sees, decided on the device the same
+// way by both CUDA kernels (attention_simt.cuh, attention_wgmma.cuh): the
+// token's own checks, the prefill chunk's first position per request, and,
+// for each candidate item (window position, chunk row, CSA pick or HCA
+// entry), whether it is seen and where its row lives. Rules: docs/design.md
+// §6, `attention`.
+#pragma once
+
+#include <climits>
+
+#include "attention.h"
+#include "kernels.cuh"
+
+namespace dsv4 {
+namespace cuda {
+
+// Where a seen row comes from: the layer's window ring, the call's chunk_kv
+// (encoded as append stores it), or the kind's paged pool.
+enum AttnSource : uint8_t { kFromRing = 0, kFromChunk = 1, kFromPool = 2 };
+
+__device__ __forceinline__ bool RowFinite(const uint16_t* row) {
+  bool ok = true;
+  for (int c = 0; c < kHeadDim; ++c) ok = ok && num::Bf16IsFinite(__ldg(row + c));
+  return ok;
+}
+
+// Whether the call's layer operands are good (BAD_LAYER otherwise).
+__device__ __forceinline__ bool AttnLayerOk(const AttentionArgs& a, int64_t* l, int64_t* lk) {
+  *l = __ldg(a.layer);
+  *lk = __ldg(a.comp_layer);
+  return *l >= 0 && *l < a.L && (a.kind == kAttnSwa || (*lk >= 0 && *lk < a.Lk));
+}
+
+// The error that drops token (s, p) before its q is looked at, or -1.
+__device__ __forceinline__ int AttnTokenError(const AttentionArgs& a, int64_t s, int64_t p) {
+  if (s < 0 || s >= a.R) return kBadSlot;
+  if (!QueryPositionOk(p, a.MB)) return kBadPosition;
+  return -1;
+}
+
+// p0 of request s: the smallest good position among the call's rows of s
+// (LLONG_MAX without a chunk). Block-wide: every thread of the block calls.
+__device__ __forceinline__ int64_t AttnFirstPos(const AttentionArgs& a, int64_t s, int* scratch) {
+  if (!a.has_chunk) return LLONG_MAX;
+  if (threadIdx.x == 0) *scratch = INT_MAX;
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < a.T; r += blockDim.x)
+    if (__ldg(a.slot + r) == s && QueryPositionOk(__ldg(a.pos + r), a.MB))
+      atomicMin(scratch, __ldg(a.pos + r));
+  __syncthreads();
+  return *scratch;
+}
+
+// Candidate items of a query at position p: the 128 window positions, the
+// call's chunk rows, then the CSA picks or the HCA entries it may see.
+__device__ __forceinline__ int64_t AttnCandidates(const AttentionArgs& a, int64_t p) {
+  const int64_t extra = a.kind == kAttnCsa ? a.K : a.kind == kAttnHca ? HcaVisible(p, a.MB) : 0;
+  return kWindow + (a.has_chunk ? a.T : 0) + extra;
+}
+
+// Whether item `it` of token t = (s, p) is seen; sets its source and entry
+// (or chunk row), and counts a bad CSA index or a missing block when
+// `counts` (one block per item counts). `check_chunk_row` false leaves the
+// finiteness of a chunk row to the caller.
+__device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l, int64_t lk,
+                                               int64_t t, int64_t s, int64_t p,
+                                               int64_t first_pos, int64_t it, bool counts,
+                                               bool check_chunk_row, uint8_t* src, int64_t* e) {
+  const int64_t lo = p - kWindow + 1 > 0 ? p - kWindow + 1 : 0;
+  if (it < kWindow) {
+    const int64_t w = lo + it;
+    if (w > p || w >= first_pos) return false;
+    *e = (l * a.R + s) * kWindow + w % kWindow;
+    *src = kFromRing;
+    return __ldg(a.swa_pos + *e) == w;
+  }
+  it -= kWindow;
+  if (a.has_chunk) {
+    if (it < a.T) {
+      const int64_t rs = __ldg(a.slot + it), rp = __ldg(a.pos + it);
+      if (rs != s || !QueryPositionOk(rp, a.MB) || !WindowSees(rp, p)) return false;
+      if (check_chunk_row && !RowFinite(a.chunk_kv + it * kHeadDim)) return false;
+      *e = it;
+      *src = kFromChunk;
+      return true;
+    }
+    it -= a.T;
+  }
+  int err = -1;
+  int64_t block = -1, row = 0;
+  if (a.kind == kAttnCsa) {
+    const int64_t i = __ldg(a.topk + t * a.K + it);
+    if (i == -1) return false;
+    if (i < -1 || i >= IndexVisible(p, a.MB * a.per_block)) {
+      err = kBadIndex;
+    } else {
+      block = __ldg(a.block_table + s * a.MB + i / a.per_block);
+      row = i % a.per_block;
+    }
+  } else {
+    block = __ldg(a.block_table + s * a.MB + it);
+  }
+  if (err < 0 && (block < 0 || block >= a.N)) err = kMissingBlock;
+  if (err >= 0) {
+    if (counts) atomicAdd(&a.errors[err], 1);
+    return false;
+  }
+  *e = (lk * a.N + block) * a.per_block + row;
+  *src = kFromPool;
+  return true;
+}
+
+}  // namespace cuda
+}  // namespace dsv4

@@ -1,0 +1,440 @@
+// The attention kernel on Hopper's tensor cores (sm_90a, wgmma). One CTA per
+// (query token, 64 heads, split of the token's candidate items), three
+// warpgroups:
+//  - the producer decides the split's items 128 at a time (attention_items.cuh,
+//    counting bad indices and missing blocks once), compacts the seen ones in
+//    item order, and stages them 64 rows a tile into one of two shared-memory
+//    buffers, dequantized to bf16 in the 128-byte-swizzled layout wgmma reads
+//    (a chunk row is first encoded as append stores it; a non-finite one is
+//    zeroed and masked). Each warp keeps kBatch rows' loads in flight.
+//  - two consumers each run S = Q.K^T over the whole tile (64 heads x 64
+//    rows, K-dim 512: both redundantly, which keeps them free of each other)
+//    and the online softmax, then O += P.V for their half of the 512 output
+//    channels (P rounded to bf16 in registers, as the design's step 4).
+// Tiles are handed over by named barriers (full / empty per buffer). With one
+// split the consumers write the final bf16 rows and lse; with several they
+// write unnormalized fp32 partials (O, running max, denominator) to the
+// workspace and attention_combine.cuh merges them. Rules: docs/design.md §6.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "attention_items.cuh"
+#include "wgmma.cuh"
+
+namespace dsv4 {
+namespace cuda {
+namespace tc {
+
+constexpr int kThreads = 384;      // producer warpgroup + two consumer warpgroups
+constexpr int kHeads = 64;         // heads a CTA computes: wgmma's M
+constexpr int kTileRows = 64;      // rows a tile: S's N, P.V's K
+constexpr int kRound = 128;        // items the producer decides at a time
+constexpr int kListCap = kTileRows + kRound;
+constexpr int kBatch = 2;          // rows a producer warp has in flight
+constexpr int kWsStride = 516;     // floats a workspace row: O[512], max, denominator, pad
+// setmaxnreg moves registers from the producer to the consumers within what
+// the launch gave the CTA (384 x 168): 128 x 104 + 256 x 200 = 384 x 168. An
+// increase past it would wait forever.
+constexpr int kProducerRegs = 104;
+constexpr int kConsumerRegs = 200;
+
+// Named barriers (0 is __syncthreads).
+enum Barrier : int { kProducerSync = 1, kFull0 = 2, kEmpty0 = 4 };
+
+struct Shared {
+  uint8_t q[8 * wgmma::kSlabBytes];           // the CTA's 64 heads, slabs
+  uint8_t tile[2][8 * wgmma::kSlabBytes];      // two buffers of 64 rows
+  int64_t list[kListCap];                      // seen items not yet staged
+  uint8_t list_src[kListCap];
+  uint64_t valid[2];                           // per buffer: bit r = row r seen
+  int rows[2];                                 // per buffer: rows staged, -1 = end
+  // one-entry pools, one per producer warp, for encoding a chunk row
+  alignas(16) uint8_t scratch_nope[4][kNopeDim * 2];
+  alignas(16) uint16_t scratch_rope[4][kRopeDim];
+  alignas(16) float scratch_scale[4][2];
+  int warp_count[4];
+  int first_pos;
+};
+// wgmma's swizzle works on absolute shared addresses: 1024-byte alignment.
+constexpr size_t kSharedBytes = sizeof(Shared) + 1024;
+
+__device__ __forceinline__ void BarSync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void BarArrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void RegsDown() {
+#if DSV4_HAS_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void RegsUp() {
+#if DSV4_HAS_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
+// Whether 8 bf16 are all finite.
+__device__ __forceinline__ bool Bf16x8Finite(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    ok = ok && (w[i] & 0x7f80u) != 0x7f80u && (w[i] & 0x7f800000u) != 0x7f800000u;
+  return ok;
+}
+
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  return static_cast<uint32_t>(num::F32ToBf16(lo)) |
+         (static_cast<uint32_t>(num::F32ToBf16(hi)) << 16);
+}
+
+// Workspace row of (split, token, head): f32[splits, T, heads padded to 64, 516].
+__device__ __forceinline__ float* WsRow(float* ws, const AttentionArgs& a, int split, int64_t t,
+                                        int64_t h) {
+  const int64_t hp = (a.H + kHeads - 1) / kHeads * kHeads;
+  return ws + ((split * a.T + t) * hp + h) * kWsStride;
+}
+
+// A dropped token's rows: out 0, lse -inf (or, split, an empty partial).
+__device__ void WriteDropped(const AttentionArgs& a, float* ws, int splits, int split, int64_t t,
+                             int64_t h0) {
+  const int tid = threadIdx.x;
+  if (splits == 1) {
+    for (int i = tid; i < kHeads * kChunks; i += kThreads) {
+      const int64_t h = h0 + i / kChunks;
+      if (h < a.H)
+        reinterpret_cast<uint4*>(a.out + (t * a.H + h) * kHeadDim)[i % kChunks] =
+            make_uint4(0, 0, 0, 0);
+    }
+    for (int i = tid; i < kHeads; i += kThreads)
+      if (h0 + i < a.H) a.lse[t * a.H + h0 + i] = -INFINITY;
+  } else {
+    for (int i = tid; i < kHeads; i += kThreads) {
+      float* w = WsRow(ws, a, split, t, h0 + i);
+      w[kHeadDim] = -INFINITY;
+      w[kHeadDim + 1] = 0.f;
+    }
+  }
+}
+
+// A chunk row encoded as append stores it and decoded to the lane's two
+// chunks; false (and zeros) for a row with a NaN or Inf, which no query sees.
+__device__ bool StageChunkRow(const AttentionArgs& a, Shared& sm, int warp, int64_t r, uint4* lo,
+                              uint4* hi) {
+  const int lane = threadIdx.x & 31;
+  const uint4* row = reinterpret_cast<const uint4*>(a.chunk_kv + r * kHeadDim);
+  const uint4 ulo = __ldg(row + lane), uhi = __ldg(row + lane + 32);
+  if (!__all_sync(kFull, Bf16x8Finite(ulo) && Bf16x8Finite(uhi))) {
+    *lo = *hi = make_uint4(0, 0, 0, 0);
+    return false;
+  }
+  float flo[kChunk], fhi[kChunk];
+  UnpackBf16x8(ulo, flo);
+  UnpackBf16x8(uhi, fhi);
+  EntryPool one;
+  one.fmt = a.ring.fmt;
+  one.nope = sm.scratch_nope[warp];
+  one.rope = sm.scratch_rope[warp];
+  one.scale = reinterpret_cast<uint8_t*>(sm.scratch_scale[warp]);
+  WarpEncodeEntry(one, 0, flo, fhi);
+  __syncwarp();
+  WarpStoreEntryChunks(one.fmt, WarpLoadEntry<false>(one, 0), lo, hi);
+  __syncwarp();
+  return true;
+}
+
+// Stages list rows 0..n-1 into buffer b (rows n..63 zero: a masked row must
+// hold finite values, since its zero weight times NaN would be NaN). Pool and
+// ring rows go kBatch at a time per warp, loads before stores; chunk rows
+// (prefill only) after them, apart, as their encoding needs many registers.
+__device__ void StageTile(const AttentionArgs& a, Shared& sm, int b, int n) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  uint8_t* tile = sm.tile[b];
+  auto chunks = [&](int r, uint4** lo, uint4** hi) {
+    *lo = reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, lane));
+    *hi = reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, lane + 32));
+  };
+  if (tid == 0) sm.valid[b] = n >= 64 ? ~0ull : (1ull << n) - 1ull;
+  BarSync(kProducerSync, 128);
+  for (int r0 = warp; r0 < kTileRows; r0 += 4 * kBatch) {
+    EntryRegs x[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int r = r0 + 4 * k;
+      if (r < n && sm.list_src[r] != kFromChunk)
+        x[k] = WarpLoadEntry(sm.list_src[r] == kFromRing ? a.ring : a.pool, sm.list[r]);
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int r = r0 + 4 * k;
+      uint4 *lo, *hi;
+      chunks(r, &lo, &hi);
+      if (r >= n) *lo = *hi = make_uint4(0, 0, 0, 0);
+      else if (sm.list_src[r] != kFromChunk) WarpStoreEntryChunks(a.ring.fmt, x[k], lo, hi);
+    }
+  }
+  if (!a.has_chunk) return;
+  for (int r = warp; r < n; r += 4) {
+    if (sm.list_src[r] != kFromChunk) continue;
+    uint4 *lo, *hi;
+    chunks(r, &lo, &hi);
+    if (!StageChunkRow(a, sm, warp, sm.list[r], lo, hi) && lane == 0)
+      atomicAnd(reinterpret_cast<unsigned long long*>(&sm.valid[b]), ~(1ull << r));
+  }
+}
+
+// The producer warpgroup: decide items [c0, c1) of token t, stage them a tile
+// at a time, then the end marker.
+__device__ void Produce(const AttentionArgs& a, Shared& sm, int64_t l, int64_t lk, int64_t t,
+                        int64_t s, int64_t p, int64_t first_pos, int64_t c0, int64_t c1,
+                        bool counts) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int pending = 0, tiles = 0;
+  auto emit = [&](int n) {
+    const int b = tiles & 1;
+    if (tiles >= 2) BarSync(kEmpty0 + b, kThreads);
+    StageTile(a, sm, b, n);
+    wgmma::FenceSharedForAsync();
+    if (tid == 0) sm.rows[b] = n;
+    BarArrive(kFull0 + b, kThreads);
+    ++tiles;
+    // move the items not staged to the front of the list
+    pending -= n;
+    int64_t e = 0;
+    uint8_t src = 0;
+    if (tid < pending) {
+      e = sm.list[n + tid];
+      src = sm.list_src[n + tid];
+    }
+    BarSync(kProducerSync, 128);
+    if (tid < pending) {
+      sm.list[tid] = e;
+      sm.list_src[tid] = src;
+    }
+    BarSync(kProducerSync, 128);
+  };
+  for (int64_t base = c0; base < c1; base += kRound) {
+    uint8_t src = 0;
+    int64_t e = 0;
+    const int64_t it = base + tid;
+    const bool seen =
+        it < c1 && AttnDecideItem(a, l, lk, t, s, p, first_pos, it, counts, false, &src, &e);
+    const unsigned ballot = __ballot_sync(kFull, seen);
+    if (lane == 0) sm.warp_count[warp] = __popc(ballot);
+    BarSync(kProducerSync, 128);
+    int before = 0, total = 0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      before += w < warp ? sm.warp_count[w] : 0;
+      total += sm.warp_count[w];
+    }
+    if (seen) {
+      const int k = pending + before + __popc(ballot & ((1u << lane) - 1u));
+      sm.list[k] = e;
+      sm.list_src[k] = src;
+    }
+    BarSync(kProducerSync, 128);
+    pending += total;
+    while (pending >= kTileRows) emit(kTileRows);
+  }
+  if (pending > 0) emit(pending);
+  const int b = tiles & 1;                      // the end marker
+  if (tiles >= 2) BarSync(kEmpty0 + b, kThreads);
+  if (tid == 0) sm.rows[b] = -1;
+  BarArrive(kFull0 + b, kThreads);
+  if (tiles >= 1) BarSync(kEmpty0 + ((tiles - 1) & 1), kThreads);  // balance the last release
+}
+
+// A consumer warpgroup (c = 0, 1: output channels 256c .. 256c + 255). Thread
+// layout of the m64nNk16 fragments: warp w, lane L own head rows
+// 16w + L/4 and 16w + L/4 + 8, columns 8j + 2(L % 4) + {0, 1}.
+__device__ void Consume(const AttentionArgs& a, Shared& sm, float* ws, int splits, int split,
+                        int64_t t, int64_t h0, int64_t p, int c) {
+  const int tid = threadIdx.x - 128 * (c + 1);
+  const int warp = tid >> 5, lane = tid & 31, quad = lane & 3;
+  const int row0 = 16 * warp + (lane >> 2);
+  float m[2], den[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t h = h0 + row0 + 8 * i;
+    // the sink joins the softmax once: in split 0, on one lane of the row
+    const float sink = split == 0 && h < a.H ? __ldg(a.sink + h) : -INFINITY;
+    m[i] = sink;
+    den[i] = sink == -INFINITY || quad != 0 ? 0.f : 1.f;
+  }
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  for (int it = 0;; ++it) {
+    const int b = it & 1;
+    BarSync(kFull0 + b, kThreads);
+    const int rows = *reinterpret_cast<volatile int*>(&sm.rows[b]);
+    if (rows < 0) break;
+    const uint64_t valid = *reinterpret_cast<volatile uint64_t*>(&sm.valid[b]);
+    const uint8_t* tile = sm.tile[b];
+    float sc[32];
+    wgmma::Fence();
+#pragma unroll
+    for (int k = 0; k < 32; ++k)
+      wgmma::MmaSS64(sc, wgmma::KMajor(sm.q, k), wgmma::KMajor(tile, k), k > 0);
+    wgmma::Commit();
+    wgmma::WaitAll();
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * j + 2 * quad + e;
+          float& x = sc[4 * j + 2 * i + e];
+          x = (valid >> col) & 1ull ? x * AttnScale() : -INFINITY;
+          mx[i] = fmaxf(mx[i], x);
+        }
+      }
+    }
+    float rescale[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+      const float m_new = fmaxf(m[i], mx[i]);
+      rescale[i] = m_new == m[i] ? 1.f : expf(m[i] - m_new);
+      m[i] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = sc[4 * j + 2 * i + e];
+          x = m[i] == -INFINITY ? 0.f : expf(x - m[i]);
+          sum[i] += x;
+        }
+      }
+    }
+    uint32_t pa[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) pa[k] = PackBf16x2(sc[2 * k], sc[2 * k + 1]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) den[i] = den[i] * rescale[i] + sum[i];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) o[4 * j + k] *= rescale[k >> 1];
+    }
+    wgmma::Fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t frag[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
+      wgmma::MmaRS256(o, frag, wgmma::NMajor(tile, 4 * c, kk));
+    }
+    wgmma::Commit();
+    wgmma::WaitAll();
+    BarArrive(kEmpty0 + b, kThreads);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    den[i] += __shfl_xor_sync(kFull, den[i], 1);
+    den[i] += __shfl_xor_sync(kFull, den[i], 2);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t h = h0 + row0 + 8 * i;
+    if (splits > 1) {
+      float* w = WsRow(ws, a, split, t, h);
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(w + 256 * c + 8 * j + 2 * quad) =
+            make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
+      if (c == 0 && quad == 0) {
+        w[kHeadDim] = m[i];
+        w[kHeadDim + 1] = den[i];
+      }
+      continue;
+    }
+    if (h >= a.H) continue;
+    const bool empty = m[i] == -INFINITY;     // sees nothing and no sink
+    uint16_t* out = a.out + (t * a.H + h) * kHeadDim;
+    const float pos = static_cast<float>(p);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = 256 * c + 8 * j + 2 * quad;
+      float y0 = empty ? 0.f : num::RoundBf16(o[4 * j + 2 * i] / den[i]);
+      float y1 = empty ? 0.f : num::RoundBf16(o[4 * j + 2 * i + 1] / den[i]);
+      if (!empty && a.inv_freq != nullptr && col >= kNopeDim)
+        InverseRopePair(y0, y1, pos * __ldg(a.inv_freq + (col - kNopeDim) / 2), &y0, &y1);
+      *reinterpret_cast<uint32_t*>(out + col) = PackBf16x2(y0, y1);
+    }
+    if (c == 0 && quad == 0) a.lse[t * a.H + h] = empty ? -INFINITY : m[i] + logf(den[i]);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    AttentionWgmmaKernel(AttentionArgs a, float* ws, int splits) {
+  extern __shared__ uint8_t smem_raw[];
+  Shared& sm = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                          ~static_cast<uintptr_t>(1023));
+  const int tid = threadIdx.x;
+  const int64_t t = blockIdx.x, h0 = static_cast<int64_t>(blockIdx.y) * kHeads;
+  const int split = static_cast<int>(blockIdx.z);
+  const bool first = blockIdx.y == 0 && split == 0;   // counts the token's errors
+  int64_t l = 0, lk = 0;
+  const bool layer_ok = AttnLayerOk(a, &l, &lk);
+  if (!layer_ok && blockIdx.x == 0 && first && tid == 0) atomicAdd(&a.errors[kBadLayer], 1);
+  if (t >= a.T) return;                          // T = 0: one CTA, only to count a bad layer
+  const int64_t s = __ldg(a.slot + t), p = __ldg(a.pos + t);
+  bool live = layer_ok && s != -1;
+  int err = live ? AttnTokenError(a, s, p) : -1;
+  live = live && err < 0;
+  // q: the CTA's heads into shared memory (zero rows past H), and the token's
+  // NaN/Inf check over every head
+  bool bad_q = false;
+  if (live) {
+    const uint4* q = reinterpret_cast<const uint4*>(a.q + t * a.H * kHeadDim);
+    for (int i = tid; i < kHeads * kChunks; i += kThreads) {
+      const int r = i / kChunks, ch = i % kChunks;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (h0 + r < a.H) {
+        v = __ldg(q + (h0 + r) * kChunks + ch);
+        bad_q = bad_q || !Bf16x8Finite(v);
+      }
+      *reinterpret_cast<uint4*>(sm.q + wgmma::ChunkOffset(r, ch)) = v;
+    }
+    for (int64_t i = tid; i < a.H * kChunks; i += kThreads) {
+      const int64_t h = i / kChunks;
+      if (h < h0 || h >= h0 + kHeads) bad_q = bad_q || !Bf16x8Finite(__ldg(q + i));
+    }
+  }
+  if (__syncthreads_or(bad_q)) {
+    err = kNonfinite;
+    live = false;
+  }
+  if (first && tid == 0 && err >= 0) atomicAdd(&a.errors[err], 1);
+  if (!live) {
+    WriteDropped(a, ws, splits, split, t, h0);
+    return;
+  }
+  const int64_t first_pos = AttnFirstPos(a, s, &sm.first_pos);
+  const int64_t items = AttnCandidates(a, p);
+  const int64_t c0 = items * split / splits, c1 = items * (split + 1) / splits;
+  wgmma::FenceSharedForAsync();                  // q, written above, is read by wgmma
+  __syncthreads();
+  if (tid < 128) {
+    RegsDown<kProducerRegs>();
+    Produce(a, sm, l, lk, t, s, p, first_pos, c0, c1, blockIdx.y == 0);
+  } else {
+    RegsUp<kConsumerRegs>();
+    Consume(a, sm, ws, splits, split, t, h0, p, tid < 256 ? 0 : 1);
+  }
+}
+
+}  // namespace tc
+}  // namespace cuda
+}  // namespace dsv4
