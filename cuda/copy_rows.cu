@@ -86,26 +86,21 @@ ffi::Error Launch(cudaStream_t stream, const CopyRowsArgs& a, bool to_flat, cons
   return cuda::LaunchStatus(what);
 }
 
-ffi::Error TakeRowsImpl(cudaStream_t stream, ffi::Span<const int64_t> row_axes,
-                        ffi::AnyBuffer ids, ffi::RemainingArgs leaves, ffi::RemainingRets flat) {
+// kToFlat: take (leaves -> flat rows); else put (flat rows -> the aliased leaves).
+template <bool kToFlat>
+ffi::Error CopyRowsImpl(cudaStream_t stream, ffi::Span<const int64_t> row_axes,
+                        ffi::AnyBuffer ids, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   CopyRowsArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateCopyRows(true, row_axes, ids, leaves, flat, &a));
-  return Launch(stream, a, true, "take_rows");
-}
-
-ffi::Error PutRowsImpl(cudaStream_t stream, ffi::Span<const int64_t> row_axes,
-                       ffi::AnyBuffer ids, ffi::RemainingArgs args, ffi::RemainingRets leaves) {
-  CopyRowsArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateCopyRows(false, row_axes, ids, args, leaves, &a));
-  return Launch(stream, a, false, "put_rows");
+  DSV4_RETURN_IF_ERROR(ValidateCopyRows(kToFlat, row_axes, ids, args, rets, &a));
+  return Launch(stream, a, kToFlat, kToFlat ? "take_rows" : "put_rows");
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TakeRowsCuda, TakeRowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TakeRowsCuda, CopyRowsImpl<true>,
                               BindCopyRows(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PutRowsCuda, PutRowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PutRowsCuda, CopyRowsImpl<false>,
                               BindCopyRows(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 

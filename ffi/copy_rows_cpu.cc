@@ -28,25 +28,19 @@ void CopyRowsHost(const CopyRowsArgs& a, bool to_flat) {
   }
 }
 
-ffi::Error TakeRowsImpl(ffi::Span<const int64_t> row_axes, ffi::AnyBuffer ids,
-                        ffi::RemainingArgs leaves, ffi::RemainingRets flat) {
+// kToFlat: take (leaves -> flat rows); else put (flat rows -> the aliased leaves).
+template <bool kToFlat>
+ffi::Error CopyRowsImpl(ffi::Span<const int64_t> row_axes, ffi::AnyBuffer ids,
+                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
   CopyRowsArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateCopyRows(true, row_axes, ids, leaves, flat, &a));
-  CopyRowsHost(a, true);
-  return ffi::Error::Success();
-}
-
-ffi::Error PutRowsImpl(ffi::Span<const int64_t> row_axes, ffi::AnyBuffer ids,
-                       ffi::RemainingArgs args, ffi::RemainingRets leaves) {
-  CopyRowsArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateCopyRows(false, row_axes, ids, args, leaves, &a));
-  CopyRowsHost(a, false);
+  DSV4_RETURN_IF_ERROR(ValidateCopyRows(kToFlat, row_axes, ids, args, rets, &a));
+  CopyRowsHost(a, kToFlat);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TakeRowsCpu, TakeRowsImpl, BindCopyRows(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PutRowsCpu, PutRowsImpl, BindCopyRows(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TakeRowsCpu, CopyRowsImpl<true>, BindCopyRows(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PutRowsCpu, CopyRowsImpl<false>, BindCopyRows(ffi::Ffi::Bind()));
 
 }  // namespace dsv4
