@@ -16,6 +16,11 @@ bitcast the leaves to unsigned integers, writes are scatters that set rows,
 on the CPU of the bits too), so nothing is rounded, a -0 stays -0 and a NaN
 payload is kept.
 
+Unsharded, where the FFI handlers of `dsv4_jax.ops.copy_rows` are built for
+the state's platform (impl "auto"), each move's copy is one `take_rows` or
+`put_rows` call over all its leaves (one kernel on the GPU); with
+`default_impl("reference")`, and sharded, the jnp slices and scatters below.
+
 Sharded (docs/design.md §10), `slot` is the global slot
 (`ShardedCacheManager.global_slot`), block ids are global
 (`ShardedCacheManager.global_blocks`), `block_row` holds the owning shard's
@@ -36,6 +41,8 @@ import numpy as np
 
 from . import config as C
 from .config import CacheConfig
+from .ops import copy_rows
+from .ops._dispatch import auto_means, resolve_impl
 from .state import (CacheState, IndexerKeys, KVEntries, WindowState, _dataclass,
                     index_key_shapes, kv_entry_shapes, state_shapes)
 
@@ -226,8 +233,22 @@ def _over_shards(state: CacheState, body, operands, out):
     return jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), res)
 
 
+def _fused(state: CacheState) -> bool:
+    """Whether the moves of this (unsharded) state go through copy_rows' FFI
+    handlers: decided when a move is traced."""
+    return not state.config.sharded and \
+        resolve_impl("auto", "dsv4_take_rows", [state.block_table]) != "reference"
+
+
 def _snapshot_body(state: CacheState, slot) -> RequestSnapshot:
     cfg = state.config
+    if _fused(state):
+        leaves, tree = jax.tree_util.tree_flatten(_slot_parts(state))
+        rows = copy_rows.take_rows(leaves, [1] * len(leaves), slot[None])
+        window, comp, icomp, hcomp = jax.tree_util.tree_unflatten(tree, [r[:, 0] for r in rows])
+        length = jnp.max(window.pos) + 1     # positions -1 everywhere: 0
+        return RequestSnapshot(window, comp, icomp, hcomp, length.astype(jnp.int32),
+                               cfg.compress_ratios, cfg.kv_format)
     window, comp, icomp, hcomp, length = _over_shards(
         state, _take_slot_entry, [slot], "sum")
     shapes = snapshot_shapes(cfg)
@@ -243,17 +264,39 @@ def _take_slot_entry(st, first_slot, first_block, slot):
 
 def _restore_body(state: CacheState, slot, snap: RequestSnapshot, row) -> CacheState:
     parts = (snap.window, snap.csa_comp, snap.csa_icomp, snap.hca_comp)
+    if _fused(state):
+        # the block-table row travels in the same call (its row axis is 0)
+        leaves, tree = jax.tree_util.tree_flatten(_slot_parts(state))
+        rows = [x[:, None] for x in jax.tree_util.tree_leaves(parts)]
+        new = copy_rows.put_rows(leaves + [state.block_table], [1] * len(leaves) + [0],
+                                 slot[None], rows + [row[None]])
+        window, comp, icomp, hcomp = jax.tree_util.tree_unflatten(tree, new[:-1])
+        return dataclasses.replace(
+            state, block_table=new[-1], swa=window,
+            csa=dataclasses.replace(state.csa, comp=comp, icomp=icomp),
+            hca=dataclasses.replace(state.hca, comp=hcomp))
     return _over_shards(state, lambda st, fs, fb, s, p, r: _put_slot(st, s, fs, p, r),
                         [slot, parts, row], "state")
 
 
 def _read_blocks_body(state: CacheState, blocks) -> RequestBlocks:
+    if _fused(state):
+        leaves, tree = jax.tree_util.tree_flatten(_block_parts(state))
+        return jax.tree_util.tree_unflatten(
+            tree, copy_rows.take_rows(leaves, [1] * len(leaves), blocks))
     bits = _over_shards(state, lambda st, fs, fb, b: _take_blocks(st, b, fb), [blocks], "sum")
     shapes = blocks_shapes(state.config, blocks.shape[0])
     return jax.tree_util.tree_map(lambda b, s: _unbits(b, s.dtype), bits, shapes)
 
 
 def _write_blocks_body(state: CacheState, blocks, data: RequestBlocks) -> CacheState:
+    if _fused(state):
+        leaves, tree = jax.tree_util.tree_flatten(_block_parts(state))
+        new = jax.tree_util.tree_unflatten(tree, copy_rows.put_rows(
+            leaves, [1] * len(leaves), blocks, jax.tree_util.tree_leaves(data)))
+        return dataclasses.replace(
+            state, csa=dataclasses.replace(state.csa, kv=new.csa_kv, index=new.csa_index),
+            hca=dataclasses.replace(state.hca, kv=new.hca_kv))
     return _over_shards(state, lambda st, fs, fb, b, d: _put_blocks(st, b, fb, d),
                         [blocks, data], "state")
 
@@ -278,9 +321,14 @@ def _out_sharding(state, memory_kind, sharding):
     return sharding if memory_kind is None else sharding.with_memory_kind(memory_kind)
 
 
-@functools.lru_cache(maxsize=None)
 def _program(kind: str, config: CacheConfig, out_sharding):
-    """The jitted program of one kind of move, cached per config and placement."""
+    """The jitted program of one kind of move, cached per config, placement
+    and what impl "auto" stands for when it is traced (`default_impl`)."""
+    return _program_for(kind, config, out_sharding, auto_means())
+
+
+@functools.lru_cache(maxsize=None)
+def _program_for(kind: str, config: CacheConfig, out_sharding, auto: str):
     if kind == "snapshot":
         return jax.jit(_snapshot_body, out_shardings=out_sharding)
     if kind == "read_blocks":

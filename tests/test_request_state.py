@@ -28,7 +28,10 @@ def slot_leaves(st):
 
 
 @pytest.mark.parametrize("kv_format", ["ds_fp8", "fp8_token", "bf16"])
-def test_snapshot_restore_and_blocks_copy_exact_bytes_and_touch_nothing_else(kv_format):
+def test_snapshot_restore_and_blocks_copy_exact_bytes_and_touch_nothing_else(kv_format,
+                                                                             impl_under_test):
+    # every implementation: the jnp slices and scatters, copy_rows' CPU handler
+    # and its CUDA kernel (`-m gpu`)
     cfg = CFG.replace(kv_format=kv_format)
     st = random_state(cfg)
     before = host(st)
