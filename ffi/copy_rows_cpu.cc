@@ -13,9 +13,9 @@ void CopyRowsHost(const CopyRowsArgs& a, bool to_flat) {
     const RowSegment& s = a.seg[k];
     const size_t bytes = static_cast<size_t>(s.row_bytes);
     for (int64_t o = 0; o < s.outer; ++o) {
-      for (int64_t j = 0; j < a.n; ++j) {
-        const int64_t id = a.ids[j];
-        char* flat = s.flat + (o * a.n + j) * s.row_bytes;
+      for (int64_t j = 0; j < s.n; ++j) {
+        const int64_t id = s.ids[j];
+        char* flat = s.flat + (o * s.n + j) * s.row_bytes;
         const bool ok = id >= 0 && id < s.rows;
         char* row = ok ? s.state + (o * s.rows + id) * s.row_bytes : nullptr;
         if (to_flat) {
@@ -30,10 +30,10 @@ void CopyRowsHost(const CopyRowsArgs& a, bool to_flat) {
 
 // kToFlat: take (leaves -> flat rows); else put (flat rows -> the aliased leaves).
 template <bool kToFlat>
-ffi::Error CopyRowsImpl(ffi::Span<const int64_t> row_axes, ffi::AnyBuffer ids,
-                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error CopyRowsImpl(ffi::Span<const int64_t> row_axes, ffi::Span<const int64_t> id_starts,
+                        ffi::AnyBuffer ids, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   CopyRowsArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateCopyRows(kToFlat, row_axes, ids, args, rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateCopyRows(kToFlat, row_axes, id_starts, ids, args, rets, &a));
   CopyRowsHost(a, kToFlat);
   return ffi::Error::Success();
 }

@@ -25,27 +25,29 @@ def _valid(ids, size):
     return (ids >= 0) & (ids < size)
 
 
-def take_rows(leaves, row_axes, ids):
-    """[leaf with its row axis replaced by the rows `ids`], zero rows for ids
-    outside the axis."""
+def take_rows(leaves, row_axes, ids, spans, squeeze):
+    """[leaf with its row axis replaced by the rows at the ids of its span
+    (the axis dropped where `squeeze`)], zero rows for ids outside the axis."""
     out = []
-    for x, axis in zip(leaves, row_axes):
-        size = x.shape[axis]
-        ok = _valid(ids, size)
-        rows = jnp.take(_bits(x), jnp.clip(ids, 0, size - 1), axis=axis)
+    for x, axis, (start, count), sq in zip(leaves, row_axes, spans, squeeze):
+        size, at = x.shape[axis], ids[start:start + count]
+        ok = _valid(at, size)
+        rows = jnp.take(_bits(x), jnp.clip(at, 0, size - 1), axis=axis)
         mask = ok.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
-        out.append(_unbits(jnp.where(mask, rows, 0), x.dtype))
+        rows = jnp.where(mask, rows, 0)
+        out.append(_unbits(jnp.squeeze(rows, axis) if sq else rows, x.dtype))
     return out
 
 
-def put_rows(leaves, row_axes, ids, rows):
-    """[leaf with rows[k] written at `ids` along its row axis]; ids outside the
-    axis are skipped. Ids must be distinct (else which row lands is not
-    specified)."""
+def put_rows(leaves, row_axes, ids, rows, spans, squeeze):
+    """[leaf with rows[k] written at the ids of its span along its row axis];
+    ids outside the axis are skipped. Ids must be distinct (else which row
+    lands is not specified)."""
     out = []
-    for x, axis, r in zip(leaves, row_axes, rows):
-        size = x.shape[axis]
-        at = jnp.where(_valid(ids, size), ids, size)   # size: dropped
+    for x, axis, r, (start, count), sq in zip(leaves, row_axes, rows, spans, squeeze):
+        size, at = x.shape[axis], ids[start:start + count]
+        at = jnp.where(_valid(at, size), at, size)   # size: dropped
         index = (slice(None),) * axis + (at,)
+        r = jnp.expand_dims(r, axis) if sq else r
         out.append(_unbits(_bits(x).at[index].set(_bits(r), mode="drop"), x.dtype))
     return out
