@@ -11,7 +11,7 @@ import pytest
 import dsv4_jax as dj
 from dsv4_jax import request_state as rs
 from support.inplace import assert_in_place
-from support.marks import CUDA, cpu_target_built
+from support.marks import CUDA, cpu_target_built, requires_cpu_ffi
 from support.trees import as_bytes, assert_trees_bytes_equal, poison
 
 CFG = dj.CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=12)
@@ -136,7 +136,8 @@ def test_writes_run_in_place(impl_under_test):
         st = assert_in_place(rs._program(kind, CFG, None), st, where, *args)
 
 
-@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=cpu_target_built("dsv4_put_rows")),
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=[requires_cpu_ffi,
+                                                              cpu_target_built("dsv4_put_rows")]),
                                   pytest.param("cuda", marks=CUDA)])
 def test_fused_moves_compile_to_one_copy_call_and_nothing_else(impl):
     # through copy_rows' handlers, each move's program is its one FFI call:

@@ -15,11 +15,13 @@ import pytest
 from dsv4_jax.ops import _dispatch
 from dsv4_jax.ops import copy_rows as cr
 from support.inplace import check_in_place
-from support.marks import CUDA, cpu_target_built
+from support.marks import CUDA, cpu_target_built, requires_cpu_ffi
 from support.trees import as_bytes
 
-IMPLS = ["reference", pytest.param("cpu", marks=cpu_target_built("dsv4_take_rows")),
-         pytest.param("cuda", marks=CUDA)]
+# the CPU handlers where the CPU is the default backend (a jitted call runs there)
+CPU = [requires_cpu_ffi, cpu_target_built("dsv4_take_rows")]
+IMPLS = ["reference", pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=CUDA)]
+FFI_IMPLS = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=CUDA)]
 
 # (shape, dtype, row axis), row sizes in bytes: a window leaf (17,920: longer
 # than a piece of 2 KB), bf16 (512), the 7-byte e8m0 scales of an HCA entry,
@@ -155,8 +157,7 @@ def test_put_then_take_round_trips_every_row(impl):
         assert np.array_equal(as_bytes(r), as_bytes(b))
 
 
-@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=cpu_target_built("dsv4_put_rows")),
-                                  pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("impl", FFI_IMPLS)
 def test_put_rows_runs_in_place(impl):
     """The leaves alias the results: no copy of a leaf in the compiled call,
     the same buffers after it (docs/design.md §8)."""
@@ -186,18 +187,20 @@ def test_bad_arguments_raise_before_any_call():
         cr.take_rows([x], [1], ids, spans=[(0, 1), (0, 1)])
 
 
-@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=cpu_target_built("dsv4_take_rows")),
-                                  pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("impl", FFI_IMPLS)
 def test_handlers_refuse_a_span_past_the_ids(impl):
     """The handlers check what the Python checks already did: a span past the
     ids, or rows of another shape, is an error, never a read past a buffer."""
     device = jax.devices(impl)[0]
     x = jax.device_put(np.zeros((2, 3, 4), np.float32), device)
     ids = jax.device_put(np.zeros((2,), np.int32), device)
-    take = lambda start, shape: _dispatch.ffi_call(        # noqa: E731
-        "dsv4_take_rows", [ids, x], [jax.ShapeDtypeStruct(shape, jnp.float32)], {},
-        row_axes=np.asarray([1], np.int64), id_starts=np.asarray([start], np.int64))
+
+    def take(start, shape):
+        call = lambda i, leaf: _dispatch.ffi_call(      # noqa: E731
+            "dsv4_take_rows", [i, leaf], [jax.ShapeDtypeStruct(shape, jnp.float32)], {},
+            row_axes=np.asarray([1], np.int64), id_starts=np.asarray([start], np.int64))
+        return jax.block_until_ready(jax.jit(call)(ids, x))     # runs on the arrays' device
     with pytest.raises(Exception, match=r"leaf 0: ids \[1, 3\) outside the 2 ids"):
-        jax.block_until_ready(jax.jit(lambda: take(1, (2, 2, 4)))())
+        take(1, (2, 2, 4))
     with pytest.raises(Exception, match=r"leaf 0: rows of shape \[2, 2, 5\]"):
-        jax.block_until_ready(jax.jit(lambda: take(0, (2, 2, 5)))())
+        take(0, (2, 2, 5))
