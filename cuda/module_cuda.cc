@@ -21,6 +21,8 @@ NB_MODULE(_dsv4_cuda, m) {
     targets["dsv4_gather_topk"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherTopkCuda));
     targets["dsv4_gather_all"] = nb::capsule(reinterpret_cast<void*>(dsv4::GatherAllCuda));
     targets["dsv4_attention"] = nb::capsule(reinterpret_cast<void*>(dsv4::AttentionCuda));
+    targets["dsv4_take_rows"] = nb::capsule(reinterpret_cast<void*>(dsv4::TakeRowsCuda));
+    targets["dsv4_put_rows"] = nb::capsule(reinterpret_cast<void*>(dsv4::PutRowsCuda));
     return targets;
   });
 }

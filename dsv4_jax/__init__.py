@@ -113,8 +113,9 @@ from .ops.write_layer import write_layer
 from .params import CompressorParams, yarn_inv_freq
 from .request_moves import (OffloadedRequest, admit_on_prefix, export_request, import_request,
                             offload, preempt, resume, share_prefix)
-from .request_state import (RequestBlocks, RequestSnapshot, read_blocks, restore, snapshot,
-                            write_blocks)
+from .request_state import (RequestBlocks, RequestIds, RequestSnapshot, read_blocks,
+                            read_request, request_ids, restore, snapshot, write_blocks,
+                            write_request)
 from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
 
 __all__ = [
@@ -124,7 +125,8 @@ __all__ = [
     "memory_report", "CompressorParams", "yarn_inv_freq",
     "default_impl", "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
     "indexer_topk", "write_layer", "attention",
-    "RequestSnapshot", "RequestBlocks", "snapshot", "restore", "read_blocks", "write_blocks",
+    "RequestSnapshot", "RequestBlocks", "RequestIds", "request_ids", "snapshot", "restore",
+    "read_blocks", "write_blocks", "read_request", "write_request",
     "OffloadedRequest", "share_prefix", "admit_on_prefix", "offload", "preempt", "resume",
     "export_request", "import_request",
 ]

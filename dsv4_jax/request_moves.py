@@ -24,8 +24,8 @@ import numpy as np
 from .config import BLOCK_TOKENS
 from .manager import bucket
 from .request_state import (RequestBlocks, RequestSnapshot, blocks_shapes, check_snapshot,
-                            check_tree, read_blocks, restore, snapshot, snapshot_shapes,
-                            write_blocks)
+                            check_tree, read_request, request_ids, restore, snapshot,
+                            snapshot_shapes, write_request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +93,14 @@ def admit_on_prefix(state, manager, key, request_id: Hashable | None = None, *,
 
 # ---- preemption -----------------------------------------------------------------------------------
 def offload(state, manager, request_id, *, memory_kind: str | None = "host") -> OffloadedRequest:
-    """Copy a request's cache (snapshot + blocks) out of the state, leaving
-    the request in place. memory_kind "host" (default): `host_memory_kind`;
+    """Copy a request's cache (snapshot + blocks, one `read_request`) out of
+    the state, leaving the request in place. memory_kind "host" (default): `host_memory_kind`;
     None: the state's device; or any memory kind of the device."""
     if memory_kind == "host":
         memory_kind = host_memory_kind(state)
     blocks = manager.global_blocks(request_id)
-    snap = snapshot(state, manager.global_slot(request_id), memory_kind=memory_kind)
-    data = read_blocks(state, _padded(blocks), memory_kind=memory_kind)
+    here = request_ids(state, manager.global_slot(request_id), _padded(blocks))
+    snap, data = read_request(state, here, memory_kind=memory_kind)
     return OffloadedRequest(snap, data, len(blocks), manager.length_of(request_id))
 
 
@@ -136,8 +136,8 @@ def resume(state, manager, parked: OffloadedRequest, request_id: Hashable | None
     rid = manager.admit_restored(parked.length, request_id, slot=slot, **kw)
     ids = np.full(padded_count, -1, np.int32)
     ids[:parked.num_blocks] = manager.global_blocks(rid)
-    state = write_blocks(state, ids, parked.blocks)
-    return restore(state, manager.global_slot(rid), parked.snapshot, manager.block_row(rid)), rid
+    there = request_ids(state, manager.global_slot(rid), ids, manager.block_row(rid))
+    return write_request(state, there, parked.snapshot, parked.blocks), rid
 
 
 # ---- export / import ---------------------------------------------------------------------------------

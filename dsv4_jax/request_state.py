@@ -1,20 +1,27 @@
 """One request's cache as values that move (docs/design.md §5, "Request state
 that moves"): the per-slot state outside the pages (`RequestSnapshot`: every
-layer's window, the compressor accumulators, the length) and the contents of
-physical blocks (`RequestBlocks`), read out of a `CacheState` and written back
-into another slot and other blocks, bit for bit.
+layer's window and the compressor accumulators) and the contents of physical
+blocks (`RequestBlocks`), read out of a `CacheState` and written back into
+another slot and other blocks, bit for bit.
 
     snap = snapshot(state, slot)                       # device, or memory_kind="pinned_host"
     data = read_blocks(state, manager.blocks_of(rid))  # the pages of the request
     state = write_blocks(state, new_blocks, data)      # in place (the state is donated)
     state = restore(state, new_slot, snap, block_row=new_blocks)
 
+    here = request_ids(state, slot, blocks)            # checked once, kept on the device
+    snap, data = read_request(state, here)             # snapshot + read_blocks, one program
+    state = write_request(state, there, snap, data)    # write_blocks + restore, one program
+
 Called on concrete arrays each runs one cached `jax.jit` program (the state
 donated by the writes: take back the state they return); called inside a
-trace it is inlined into the caller's program. Every copy moves bits (reads
-bitcast the leaves to unsigned integers, writes are scatters that set rows,
-on the CPU of the bits too), so nothing is rounded, a -0 stays -0 and a NaN
-payload is kept.
+trace it is inlined into the caller's program. Slots and block ids given as
+Python ints or numpy are checked and sent to the device with the call; a
+`RequestIds` (`request_ids`) is already there, so a move sends nothing. Every
+copy moves bits (`dsv4_jax.request_copies`: one `copy_rows` call over every
+leaf where its FFI handlers are built, else jnp slices and scatters of the
+leaves' bits), so nothing is rounded, a -0 stays -0 and a NaN payload is
+kept.
 
 Sharded (docs/design.md §10), `slot` is the global slot
 (`ShardedCacheManager.global_slot`), block ids are global
@@ -26,7 +33,6 @@ term) into a copy replicated over the mesh.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Sequence
 
@@ -34,228 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import config as C
 from .config import CacheConfig
-from .state import (CacheState, IndexerKeys, KVEntries, WindowState, _dataclass,
-                    index_key_shapes, kv_entry_shapes, state_shapes)
+from .ops._dispatch import auto_means
+from .request_copies import BODIES, READS
+from .request_types import (RequestBlocks, RequestIds, RequestSnapshot, blocks_shapes,
+                            snapshot_shapes)
+from .state import CacheState
 
-
-@_dataclass(static=("compress_ratios", "kv_format"))
-class RequestSnapshot:
-    """The state of one request outside the paged pools.
-
-    window     WindowState: kv KVEntries[L, 128, ...], pos i32[L, 128]
-    csa_comp   f32[Lc, 2, 3, 512]   CSA compressor accumulators (current, next)
-    csa_icomp  f32[Lc, 2, 3, 128]   CSA indexer compressor accumulators
-    hca_comp   f32[Lh, 1, 3, 512]   HCA compressor accumulator
-    length     i32[]                1 + the largest position the windows hold
-                                    (0 for an empty slot): the request's length
-                                    when its last token reached every window
-
-    Static: the layer pattern and kv_format it was taken under; `restore`
-    refuses a snapshot of another layout. R, N and the shard count do not
-    matter: a snapshot restores into any cache of the same model and format.
-    """
-    window: WindowState
-    csa_comp: jax.Array
-    csa_icomp: jax.Array
-    hca_comp: jax.Array
-    length: jax.Array
-    compress_ratios: tuple
-    kv_format: str
-
-
-@_dataclass
-class RequestBlocks:
-    """The contents of `nb` physical blocks in every compressed layer.
-
-    csa_kv     KVEntries [Lc, nb, 32, ...]
-    csa_index  IndexerKeys [Lc, nb, 32, ...]
-    hca_kv     KVEntries [Lh, nb, 1, ...]
-    """
-    csa_kv: KVEntries
-    csa_index: IndexerKeys
-    hca_kv: KVEntries
-
-
-def snapshot_shapes(config: CacheConfig) -> RequestSnapshot:
-    """`RequestSnapshot` of `config` as `jax.ShapeDtypeStruct`s."""
-    full = state_shapes(config.local())
-    drop_slot = lambda s: jax.ShapeDtypeStruct(s.shape[:1] + s.shape[2:], s.dtype)
-    window = jax.tree_util.tree_map(drop_slot, full.swa)
-    return RequestSnapshot(window, drop_slot(full.csa.comp), drop_slot(full.csa.icomp),
-                           drop_slot(full.hca.comp), jax.ShapeDtypeStruct((), jnp.int32),
-                           config.compress_ratios, config.kv_format)
-
-
-def blocks_shapes(config: CacheConfig, num_blocks: int) -> RequestBlocks:
-    """`RequestBlocks` of `num_blocks` blocks as `jax.ShapeDtypeStruct`s."""
-    csa = (config.num_csa, num_blocks, CacheConfig.entries_per_block(C.CSA))
-    hca = (config.num_hca, num_blocks, CacheConfig.entries_per_block(C.HCA))
-    return RequestBlocks(kv_entry_shapes(config.kv_format, csa), index_key_shapes(csa),
-                         kv_entry_shapes(config.kv_format, hca))
-
-
-# ---- bits -----------------------------------------------------------------------------
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-
-
-def _bits(x):
-    """`x` bitcast to the unsigned integer of its width (a free reinterpretation)."""
-    return jax.lax.bitcast_convert_type(x, _UINT[np.dtype(x.dtype).itemsize])
-
-
-def _unbits(b, dtype):
-    return jax.lax.bitcast_convert_type(b, dtype)
-
-
-def _write_rows(pool, at, rows):
-    """`pool[:, at] = rows` (at: i32[n], an index past the axis dropped; rows:
-    [pool.shape[0], n, ...] of the pool's dtype), in place on the donated
-    pool. A scatter with "set" moves the rows' bits as they are; how it stays
-    in place differs by backend (`_write_rows_cpu` for XLA's CPU backend)."""
-    return jax.lax.platform_dependent(pool, at, rows, cpu=_write_rows_cpu,
-                                      default=_scatter_rows)
-
-
-def _scatter_rows(pool, at, rows):
-    """One scatter kernel on the GPU, in place on the donated pool, in the
-    pool's own dtype: converting the pool to its bits and back would add two
-    passes over the whole pool, and a single row needs no padding there."""
-    return pool.at[:, at].set(rows, mode="drop")
-
-
-def _write_rows_cpu(pool, at, rows):
-    """XLA's CPU backend: a scatter on the pool's bits (it runs a scatter into
-    8- or 16-bit floats by widening the whole pool to f32) of at least two
-    rows (one row becomes a dynamic-update-slice, which the CPU backend
-    builds in a fresh buffer and copies back; the extra row is dropped)."""
-    rows = _bits(rows)
-    if at.shape[0] == 1:
-        at = jnp.concatenate([at, jnp.full((1,), pool.shape[1], at.dtype)])
-        rows = jnp.concatenate([rows, rows], axis=1)
-    return _unbits(_bits(pool).at[:, at].set(rows, mode="drop"), pool.dtype)
-
-
-# ---- per-shard bodies (a whole state is one shard) -------------------------------------------
-def _slot_parts(st: CacheState):
-    """The per-slot leaves of a state, each with the slot on axis 1 (the
-    block table, on axis 0, is handled apart)."""
-    return (st.swa, st.csa.comp, st.csa.icomp, st.hca.comp)
-
-
-def _block_parts(st: CacheState) -> RequestBlocks:
-    return RequestBlocks(st.csa.kv, st.csa.index, st.hca.kv)
-
-
-def _local_index(index, first, size):
-    """(index - first, whether it falls in [0, size)): a global slot or block
-    id seen from the shard that owns [first, first + size)."""
-    local = index - first
-    return local, (local >= 0) & (local < size)
-
-
-def _take_slot(st: CacheState, slot, first):
-    """The bits of the slot's leaves where this shard owns `slot`, else zeros."""
-    R = st.config.max_requests
-    local, ok = _local_index(slot, first, R)
-    at = jnp.clip(local, 0, R - 1)
-    take = lambda x: jnp.where(ok, _bits(jax.lax.dynamic_index_in_dim(x, at, 1, False)), 0)
-    window, comp, icomp, hcomp = jax.tree_util.tree_map(take, _slot_parts(st))
-    last = jnp.max(jax.lax.dynamic_index_in_dim(st.swa.pos, at, 1, False))
-    length = jnp.where(ok, last + 1, 0).astype(jnp.uint32)
-    return window, comp, icomp, hcomp, length
-
-
-def _put_slot(st: CacheState, slot, first, snap_parts, row) -> CacheState:
-    """The state with the snapshot's leaves and block-table row written into
-    `slot` where this shard owns it (else unchanged)."""
-    R = st.config.max_requests
-    local, ok = _local_index(slot, first, R)
-    at = jnp.where(ok, local, R)[None]         # R: dropped by mode="drop"
-    window, comp, icomp, hcomp = jax.tree_util.tree_map(
-        lambda x, b: _write_rows(x, at, b[:, None]), _slot_parts(st), snap_parts)
-    table = st.block_table.at[at[0]].set(row, mode="drop")
-    return dataclasses.replace(
-        st, block_table=table, swa=window,
-        csa=dataclasses.replace(st.csa, comp=comp, icomp=icomp),
-        hca=dataclasses.replace(st.hca, comp=hcomp))
-
-
-def _take_blocks(st: CacheState, blocks, first):
-    N = st.config.num_blocks
-    local, ok = _local_index(blocks, first, N)
-    at = jnp.clip(local, 0, N - 1)
-
-    def take(x):
-        rows = _bits(x[:, at])
-        return jnp.where(ok.reshape((1, -1) + (1,) * (rows.ndim - 2)), rows, 0)
-    return jax.tree_util.tree_map(take, _block_parts(st))
-
-
-def _put_blocks(st: CacheState, blocks, first, data) -> CacheState:
-    N = st.config.num_blocks
-    local, ok = _local_index(blocks, first, N)
-    at = jnp.where(ok, local, N)
-    new = jax.tree_util.tree_map(lambda x, b: _write_rows(x, at, b), _block_parts(st), data)
-    return dataclasses.replace(
-        st, csa=dataclasses.replace(st.csa, kv=new.csa_kv, index=new.csa_index),
-        hca=dataclasses.replace(st.hca, kv=new.hca_kv))
-
-
-# ---- whole-state programs -------------------------------------------------------------------
-def _over_shards(state: CacheState, body, operands, out):
-    """`body(local_state, first_slot, first_block, *operands)` on every shard
-    (on the whole state when unsharded). `out` "state": it returns the
-    shard's state; "sum": it returns bits, summed over the shards."""
-    cfg = state.config
-    if not cfg.sharded:
-        return body(state, 0, 0, *operands)
-    from .sharding import run_sharded
-    local = cfg.local()
-
-    def per_shard(st, *ops):
-        k = jax.lax.axis_index(cfg.shard_axis)
-        res = body(st, k * local.max_requests, k * local.num_blocks, *ops)
-        return res if out == "state" else jax.tree_util.tree_map(lambda x: x[None], res)
-    # "rows" as the spec of the whole output: each shard's bits on a new
-    # leading axis, shard after shard
-    res = run_sharded(per_shard, state, [], list(operands), "state" if out == "state" else "rows")
-    if out == "state":
-        return res
-    return jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), res)
-
-
-def _snapshot_body(state: CacheState, slot) -> RequestSnapshot:
-    cfg = state.config
-    window, comp, icomp, hcomp, length = _over_shards(
-        state, _take_slot_entry, [slot], "sum")
-    shapes = snapshot_shapes(cfg)
-    window = jax.tree_util.tree_map(lambda b, s: _unbits(b, s.dtype), window, shapes.window)
-    return RequestSnapshot(window, _unbits(comp, jnp.float32), _unbits(icomp, jnp.float32),
-                           _unbits(hcomp, jnp.float32), length.astype(jnp.int32),
-                           cfg.compress_ratios, cfg.kv_format)
-
-
-def _take_slot_entry(st, first_slot, first_block, slot):
-    return _take_slot(st, slot, first_slot)
-
-
-def _restore_body(state: CacheState, slot, snap: RequestSnapshot, row) -> CacheState:
-    parts = (snap.window, snap.csa_comp, snap.csa_icomp, snap.hca_comp)
-    return _over_shards(state, lambda st, fs, fb, s, p, r: _put_slot(st, s, fs, p, r),
-                        [slot, parts, row], "state")
-
-
-def _read_blocks_body(state: CacheState, blocks) -> RequestBlocks:
-    bits = _over_shards(state, lambda st, fs, fb, b: _take_blocks(st, b, fb), [blocks], "sum")
-    shapes = blocks_shapes(state.config, blocks.shape[0])
-    return jax.tree_util.tree_map(lambda b, s: _unbits(b, s.dtype), bits, shapes)
-
-
-def _write_blocks_body(state: CacheState, blocks, data: RequestBlocks) -> CacheState:
-    return _over_shards(state, lambda st, fs, fb, b, d: _put_blocks(st, b, fb, d),
-                        [blocks, data], "state")
+__all__ = ["RequestSnapshot", "RequestBlocks", "RequestIds", "snapshot_shapes", "blocks_shapes",
+           "request_ids", "snapshot", "restore", "read_blocks", "write_blocks", "read_request",
+           "write_request", "check_snapshot", "check_tree"]
 
 
 # ---- placement -----------------------------------------------------------------------------
@@ -278,16 +72,19 @@ def _out_sharding(state, memory_kind, sharding):
     return sharding if memory_kind is None else sharding.with_memory_kind(memory_kind)
 
 
-@functools.lru_cache(maxsize=None)
 def _program(kind: str, config: CacheConfig, out_sharding):
-    """The jitted program of one kind of move, cached per config and placement."""
-    if kind == "snapshot":
-        return jax.jit(_snapshot_body, out_shardings=out_sharding)
-    if kind == "read_blocks":
-        return jax.jit(_read_blocks_body, out_shardings=out_sharding)
-    if kind == "restore":
-        return jax.jit(_restore_body, donate_argnums=0)
-    return jax.jit(_write_blocks_body, donate_argnums=0)
+    """The jitted program of one kind of move (a key of `BODIES`), cached per
+    config, placement and what impl "auto" stands for when it is traced
+    (`default_impl`). Reads place their copy by `out_sharding`; writes donate
+    the state."""
+    return _program_for(kind, config, out_sharding, auto_means())
+
+
+@functools.lru_cache(maxsize=None)
+def _program_for(kind: str, config: CacheConfig, out_sharding, auto: str):
+    if kind in READS:
+        return jax.jit(BODIES[kind], out_shardings=out_sharding)
+    return jax.jit(BODIES[kind], donate_argnums=0)
 
 
 def _to_state_memory(state: CacheState, tree):
@@ -298,6 +95,18 @@ def _to_state_memory(state: CacheState, tree):
     if all(isinstance(x, jax.Array) and x.sharding == target for x in leaves):
         return tree
     return jax.device_put(tree, target)
+
+
+def _run(kind: str, state: CacheState, where: RequestIds, *args, memory_kind=None,
+         sharding=None):
+    """One move: inlined inside a trace, else its cached program, with the
+    ids and any copy going in moved next to the state first."""
+    if _is_traced(state):
+        return BODIES[kind](state, where, *args)
+    where = _to_state_memory(state, where)
+    args = [_to_state_memory(state, a) for a in args]
+    out = _out_sharding(state, memory_kind, sharding) if kind in READS else None
+    return _program(kind, state.config, out)(state, where, *args)
 
 
 # ---- checks (before anything is donated) ---------------------------------------------------
@@ -341,8 +150,9 @@ def check_tree(name, tree, want):
                              f"{list(w.shape)}, got {x.dtype}{list(np.shape(x))}")
 
 
-def _check_blocks(state: CacheState, blocks, what="blocks") -> np.ndarray:
-    """Block ids as int32, each in [0, N) (global over the shards) or -1 (padding)."""
+def _check_blocks(state: CacheState, blocks, what="blocks", distinct=False) -> np.ndarray:
+    """Block ids as int32, each in [0, N) (global over the shards) or -1
+    (padding); the real ones distinct where `distinct` (a write)."""
     N = state.config.num_blocks
     ids = np.asarray(blocks)
     if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
@@ -351,6 +161,9 @@ def _check_blocks(state: CacheState, blocks, what="blocks") -> np.ndarray:
     bad = ids[(ids < -1) | (ids >= N)]
     if bad.size:
         raise ValueError(f"{what}: expected ids in [0, {N}) or -1 (padding), got {int(bad[0])}")
+    real = ids[ids >= 0]
+    if distinct and np.unique(real).size != real.size:
+        raise ValueError(f"{what}: ids must be distinct, got {ids.tolist()}")
     return ids.astype(np.int32)
 
 
@@ -370,32 +183,99 @@ def _check_row(state: CacheState, block_row) -> np.ndarray:
     return row
 
 
-# ---- public functions --------------------------------------------------------------------------
-def snapshot(state: CacheState, slot: int, *, memory_kind: str | None = None,
-             sharding=None) -> RequestSnapshot:
-    """The per-slot state of request slot `slot`: every layer's window, the
-    compressor accumulators and the length (`RequestSnapshot`). Reads only.
+def _bounds(state: CacheState) -> tuple:
+    cfg = state.config
+    return (cfg.max_requests, cfg.num_blocks, cfg.local().max_blocks_per_request)
 
+
+def _make_ids(state: CacheState, slot, blocks, block_row, distinct: bool) -> RequestIds:
+    has_slot = slot is not None
+    head = np.array([_check_slot(state, slot) if has_slot else -1], np.int32)
+    ids = np.concatenate([head, _check_blocks(state, blocks, distinct=distinct)])
+    row = _check_row(state, block_row)
+    if _is_traced(state):
+        return RequestIds(jnp.asarray(ids), jnp.asarray(row), has_slot, _bounds(state))
+    return jax.device_put(RequestIds(ids, row, has_slot, _bounds(state)),
+                          _replicated(state, None))
+
+
+def _check_ids(state: CacheState, where, need_slot: bool) -> RequestIds:
+    """`where`, a RequestIds made for a cache of this state's sizes (with a
+    slot where `need_slot`); ValueError otherwise."""
+    if not isinstance(where, RequestIds):
+        raise ValueError(f"where: expected a RequestIds (request_ids), got "
+                         f"{type(where).__name__}")
+    if where.bounds != _bounds(state):
+        raise ValueError(f"where: made for a cache of (R, N, MB) = {where.bounds}, this one has "
+                         f"{_bounds(state)}")
+    if need_slot and not where.has_slot:
+        raise ValueError("slot: this RequestIds was made without a slot")
+    check_tree("where", (where.ids, where.row),
+               (jax.ShapeDtypeStruct((where.num_blocks + 1,), jnp.int32),
+                jax.ShapeDtypeStruct((_bounds(state)[2],), jnp.int32)))
+    return where
+
+
+def _slot_ids(state: CacheState, slot, block_row=None) -> RequestIds:
+    """A move of a slot: `slot` a RequestIds (its own row: no block_row), or
+    an int checked here."""
+    if isinstance(slot, RequestIds):
+        if block_row is not None:
+            raise ValueError("block_row: a RequestIds carries its block-table row (give it to "
+                             "request_ids)")
+        return _check_ids(state, slot, need_slot=True)
+    return _make_ids(state, _check_slot(state, slot), (), block_row, distinct=False)
+
+
+def _block_ids(state: CacheState, blocks, distinct: bool) -> RequestIds:
+    if isinstance(blocks, RequestIds):
+        return _check_ids(state, blocks, need_slot=False)
+    return _make_ids(state, None, blocks, None, distinct)
+
+
+# ---- public functions --------------------------------------------------------------------------
+def request_ids(state: CacheState, slot: int | None = None, blocks: Sequence[int] = (),
+                block_row: Sequence[int] | None = None) -> RequestIds:
+    """A request's slot, blocks and block-table row in this cache, checked
+    now and put on the state's device (replicated over a sharded state's
+    mesh): the moves given it (`snapshot`, `restore`, `read_blocks`,
+    `write_blocks`, `read_request`, `write_request`) copy no index from the
+    host. Make it once per place a request moves to or from.
+
+    slot       an int in [0, R) (global under sharding), or None: blocks only
+    blocks     block ids in [0, N) (global), distinct, or -1 (padding)
+    block_row  the slot's block-table row for `restore` (shard-local ids, at
+               most MB), padded with -1
+
+    ValueError for a value outside those ranges."""
+    return _make_ids(state, slot, blocks, block_row, distinct=True)
+
+
+def snapshot(state: CacheState, slot: int | RequestIds, *, memory_kind: str | None = None,
+             sharding=None) -> RequestSnapshot:
+    """The per-slot state of request slot `slot`: every layer's window and
+    the compressor accumulators (`RequestSnapshot`). Reads only.
+
+    slot         a Python int in [0, R) (global under sharding), or a
+                 `RequestIds` with a slot (`request_ids`)
     memory_kind  None: where the state lives; "pinned_host" (or any memory
                  kind the device has) puts the snapshot there, copied by the
                  same program
     sharding     a `jax.sharding.Sharding` for the snapshot's leaves instead
                  of the state's device (sharded: replicated over its mesh)
 
-    `slot` is a Python int in [0, R) (global under sharding); ValueError
-    otherwise. Inside a trace it is inlined and places nothing."""
-    slot = _check_slot(state, slot)
-    if _is_traced(state):
-        return _snapshot_body(state, jnp.int32(slot))
-    out = _out_sharding(state, memory_kind, sharding)
-    return _program("snapshot", state.config, out)(state, jnp.int32(slot))
+    ValueError for a bad slot. Inside a trace it is inlined and places
+    nothing."""
+    where = _slot_ids(state, slot)
+    return _run("snapshot", state, where, memory_kind=memory_kind, sharding=sharding)
 
 
-def restore(state: CacheState, slot: int, snap: RequestSnapshot,
+def restore(state: CacheState, slot: int | RequestIds, snap: RequestSnapshot,
             block_row: Sequence[int] | None = None) -> CacheState:
     """Write a snapshot into request slot `slot`, in place: the slot's window in
     every layer, its accumulators, and its block-table row (`block_row`: the
-    physical blocks of its logical blocks 0, 1, ..., then -1; shard-local ids).
+    physical blocks of its logical blocks 0, 1, ..., then -1; shard-local ids;
+    given a `RequestIds`, its row).
 
     Every per-slot leaf is overwritten, so the slot needs no reset; the pages
     the row points at must hold the request's entries (shared prefix blocks,
@@ -403,40 +283,54 @@ def restore(state: CacheState, slot: int, snap: RequestSnapshot,
     one. ValueError, before anything is donated, for a slot outside [0, R), a
     snapshot of another layer pattern or kv_format, or a bad row. A snapshot
     in host memory is moved to the device first."""
-    slot = _check_slot(state, slot)
     check_snapshot(state.config, snap)
-    row = _check_row(state, block_row)
-    if _is_traced(state):
-        return _restore_body(state, jnp.int32(slot), snap, jnp.asarray(row))
-    snap = _to_state_memory(state, snap)
-    row = _to_state_memory(state, row)
-    return _program("restore", state.config, None)(state, jnp.int32(slot), snap, row)
+    where = _slot_ids(state, slot, block_row)
+    return _run("restore", state, where, snap)
 
 
-def read_blocks(state: CacheState, blocks: Sequence[int], *, memory_kind: str | None = None,
-                sharding=None) -> RequestBlocks:
-    """The contents of physical blocks `blocks` in every compressed layer (CSA
-    entries and indexer keys, HCA entries), in the order given; a -1 id reads
-    as zero bytes (padding). Placement as `snapshot`."""
-    ids = _check_blocks(state, blocks)
-    if _is_traced(state):
-        return _read_blocks_body(state, jnp.asarray(ids))
-    out = _out_sharding(state, memory_kind, sharding)
-    return _program("read_blocks", state.config, out)(state, _to_state_memory(state, ids))
+def read_blocks(state: CacheState, blocks: Sequence[int] | RequestIds, *,
+                memory_kind: str | None = None, sharding=None) -> RequestBlocks:
+    """The contents of physical blocks `blocks` (ids, or a `RequestIds`'
+    blocks) in every compressed layer (CSA entries and indexer keys, HCA
+    entries), in the order given; a -1 id reads as zero bytes (padding).
+    Placement as `snapshot`."""
+    where = _block_ids(state, blocks, distinct=False)
+    return _run("read_blocks", state, where, memory_kind=memory_kind, sharding=sharding)
 
 
-def write_blocks(state: CacheState, blocks: Sequence[int], data: RequestBlocks) -> CacheState:
+def write_blocks(state: CacheState, blocks: Sequence[int] | RequestIds,
+                 data: RequestBlocks) -> CacheState:
     """Write `data` (from `read_blocks`, any placement) into physical blocks
-    `blocks`, in place, every row of every compressed layer; -1 ids are
-    skipped. Ids must be distinct. The state is donated: use the returned one."""
-    ids = _check_blocks(state, blocks)
+    `blocks` (ids, or a `RequestIds`' blocks), in place, every row of every
+    compressed layer; -1 ids are skipped. Ids must be distinct. The state is
+    donated: use the returned one."""
+    where = _block_ids(state, blocks, distinct=True)
+    _check_data(state, data, where.num_blocks)
+    return _run("write_blocks", state, where, data)
+
+
+def _check_data(state, data, nb):
     if not isinstance(data, RequestBlocks):
         raise ValueError(f"data: expected RequestBlocks, got {type(data).__name__}")
-    check_tree("data", data, blocks_shapes(state.config, ids.size))
-    real = ids[ids >= 0]
-    if np.unique(real).size != real.size:
-        raise ValueError(f"blocks: ids must be distinct, got {ids.tolist()}")
-    if _is_traced(state):
-        return _write_blocks_body(state, jnp.asarray(ids), data)
-    data = _to_state_memory(state, data)
-    return _program("write_blocks", state.config, None)(state, _to_state_memory(state, ids), data)
+    check_tree("data", data, blocks_shapes(state.config, nb))
+
+
+def read_request(state: CacheState, where: RequestIds, *, memory_kind: str | None = None,
+                 sharding=None) -> tuple[RequestSnapshot, RequestBlocks]:
+    """`snapshot` of `where`'s slot and `read_blocks` of its blocks in one
+    program (unsharded with the FFI handlers: one copy). Placement as
+    `snapshot`."""
+    where = _check_ids(state, where, need_slot=True)
+    return _run("read_request", state, where, memory_kind=memory_kind, sharding=sharding)
+
+
+def write_request(state: CacheState, where: RequestIds, snap: RequestSnapshot,
+                  data: RequestBlocks) -> CacheState:
+    """`write_blocks` of `data` into `where`'s blocks and `restore` of `snap`
+    with its block-table row into its slot, in one program (unsharded with
+    the FFI handlers: one copy), in place. The state is donated: use the
+    returned one."""
+    where = _check_ids(state, where, need_slot=True)
+    check_snapshot(state.config, snap)
+    _check_data(state, data, where.num_blocks)
+    return _run("write_request", state, where, snap, data)

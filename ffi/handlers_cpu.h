@@ -15,6 +15,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherTopkCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherAllCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(IndexerTopkCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(TakeRowsCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PutRowsCpu);
 // Test-only (the testing module registers them, the ops module does not):
 // flush with every request on the serial walk, the window plan's oracle.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlushCsaSerialCpu);

@@ -26,6 +26,8 @@ NB_MODULE(_dsv4_cpu, m) {
     targets["dsv4_gather_all"] = Capsule(dsv4::GatherAllCpu);
     targets["dsv4_indexer_topk"] = Capsule(dsv4::IndexerTopkCpu);
     targets["dsv4_attention"] = Capsule(dsv4::AttentionCpu);
+    targets["dsv4_take_rows"] = Capsule(dsv4::TakeRowsCpu);
+    targets["dsv4_put_rows"] = Capsule(dsv4::PutRowsCpu);
     return targets;
   });
 }

@@ -20,7 +20,7 @@ def test_cli_run_reports_exact_round_trips(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["rows"]
     cfg = bench.bench_config("tiny", 256)
     rep = memory_report(cfg)
-    slot = rep.window_per_request + rep.compressor_per_request + 4     # + the length
+    slot = rep.window_per_request + rep.compressor_per_request   # the length is no leaf
     assert row["slot_bytes"] == slot and row["bytes"] == slot + 2 * rep.per_block
     assert row["exact"] is True and row["copy_GBps"] == 100 and row["host_memory_kind"] == "pinned_host"
     for key in ("slot_restore_ms", "device_out_ms", "device_in_ms", "host_out_ms", "host_in_ms",
@@ -59,6 +59,12 @@ def test_gpu_run_moves_exactly_through_pinned_host(tmp_path, model):
                     "host_in"):
             assert 0 < row[f"{key}_dev_busy_us"] <= row[f"{key}_dev_us"], key
             assert row[f"{key}_launches"] >= 1 and row[f"{key}_kernels"], key
+        # a move on the device is one program of one copy kernel: no index
+        # from the host, no fusion or copy around it
+        for key in ("slot_snapshot", "slot_restore", "device_out", "device_in"):
+            assert row[f"{key}_launches"] == 1, (key, row[f"{key}_kernels"])
+            (name,) = row[f"{key}_kernels"]
+            assert name.startswith("CopyRowsKernel"), (key, name)
         assert row["d2h_dev_GBps"] > 0 and row["h2d_dev_GBps"] > 0
 
 

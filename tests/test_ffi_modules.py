@@ -11,7 +11,7 @@ from dsv4_jax import _ffi
 
 OPS = {"dsv4_apply_step", "dsv4_append", "dsv4_flush_csa", "dsv4_flush_hca", "dsv4_gather_window",
        "dsv4_gather_topk", "dsv4_gather_all", "dsv4_indexer_topk", "dsv4_write_layer_csa",
-       "dsv4_write_layer_hca", "dsv4_attention"}
+       "dsv4_write_layer_hca", "dsv4_attention", "dsv4_take_rows", "dsv4_put_rows"}
 
 
 @pytest.mark.parametrize("name", ["_dsv4_cpu", "_dsv4_cuda"])

@@ -2,6 +2,7 @@
 on a state of random bytes: exact copies of the slot's and the blocks' bytes,
 nothing else touched, in place; bad input raises before anything changes."""
 import copy
+import re
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import dsv4_jax as dj
 from dsv4_jax import request_state as rs
 from support.inplace import assert_in_place
+from support.marks import CUDA, cpu_target_built, requires_cpu_ffi
 from support.trees import as_bytes, assert_trees_bytes_equal, poison
 
 CFG = dj.CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=12)
@@ -27,21 +29,35 @@ def slot_leaves(st):
     return (st.swa, st.csa.comp, st.csa.icomp, st.hca.comp)
 
 
-@pytest.mark.parametrize("kv_format", ["ds_fp8", "fp8_token", "bf16"])
-def test_snapshot_restore_and_blocks_copy_exact_bytes_and_touch_nothing_else(kv_format):
-    cfg = CFG.replace(kv_format=kv_format)
-    st = random_state(cfg)
-    before = host(st)
-    snap = dj.snapshot(st, 2)
+def pools(st):
+    return (st.csa.kv, st.csa.index, st.hca.kv)
+
+
+def assert_snapshot_of(snap, before, slot):
+    """`snap` holds the bytes of `slot` in the state `before` (numpy)."""
     for got, full in zip(jax.tree_util.tree_leaves((snap.window, snap.csa_comp, snap.csa_icomp,
                                                     snap.hca_comp)),
                          jax.tree_util.tree_leaves(slot_leaves(before))):
-        assert np.array_equal(as_bytes(got), as_bytes(np.ascontiguousarray(full[:, 2])))
-    assert int(snap.length) == int(before.swa.pos[:, 2].max()) + 1
-    data = dj.read_blocks(st, [7, -1, 3])
-    st = dj.restore(st, 0, snap, block_row=[5, 9, 1])
-    st = dj.write_blocks(st, [10, -1, 4], data)
-    after = host(st)
+        assert np.array_equal(as_bytes(got), as_bytes(np.ascontiguousarray(full[:, slot])))
+    assert int(snap.length) == int(before.swa.pos[:, slot].max()) + 1
+
+
+def assert_blocks_of(data, before, blocks):
+    """`data` holds the bytes of `blocks` in `before`, zero bytes for -1."""
+    for got, full in zip(jax.tree_util.tree_leaves(data), jax.tree_util.tree_leaves(pools(before))):
+        shape = (full.shape[0], len(blocks)) + full.shape[2:]
+        want = np.zeros(int(np.prod(shape)) * full.dtype.itemsize, np.uint8).view(full.dtype)
+        want = want.reshape(shape)
+        for j, b in enumerate(blocks):
+            if b >= 0:
+                want[:, j] = full[:, b]
+        assert np.array_equal(as_bytes(got), as_bytes(want))
+
+
+def assert_moved(after, before):
+    """`after` is `before` with slot 2 restored into slot 0 with block-table
+    row [5, 9, 1] and blocks [7, -1, 3] written into [10, -1, 4]; every
+    other byte the same."""
     for a, b in zip(jax.tree_util.tree_leaves(slot_leaves(after)),
                     jax.tree_util.tree_leaves(slot_leaves(before))):
         assert np.array_equal(as_bytes(a[:, 0]), as_bytes(np.ascontiguousarray(b[:, 2])))
@@ -50,12 +66,49 @@ def test_snapshot_restore_and_blocks_copy_exact_bytes_and_touch_nothing_else(kv_
     want_table[0] = -1
     want_table[0, :3] = [5, 9, 1]
     assert np.array_equal(after.block_table, want_table)
-    pools = lambda s: (s.csa.kv, s.csa.index, s.hca.kv)
     for a, b in zip(jax.tree_util.tree_leaves(pools(after)), jax.tree_util.tree_leaves(pools(before))):
         want = b.copy()
         want[:, 10], want[:, 4] = b[:, 7], b[:, 3]
         assert np.array_equal(as_bytes(a), as_bytes(want))
     assert np.array_equal(after.errors, before.errors)
+
+
+@pytest.mark.parametrize("kv_format", ["ds_fp8", "fp8_token", "bf16"])
+def test_snapshot_restore_and_blocks_copy_exact_bytes_and_touch_nothing_else(kv_format,
+                                                                             impl_under_test):
+    # every implementation: the jnp slices and scatters, copy_rows' CPU handler
+    # and its CUDA kernel (`-m gpu`)
+    cfg = CFG.replace(kv_format=kv_format)
+    st = random_state(cfg)
+    before = host(st)
+    snap = dj.snapshot(st, 2)
+    assert_snapshot_of(snap, before, 2)
+    data = dj.read_blocks(st, [7, -1, 3])
+    assert_blocks_of(data, before, [7, -1, 3])
+    st = dj.restore(st, 0, snap, block_row=[5, 9, 1])
+    st = dj.write_blocks(st, [10, -1, 4], data)
+    assert_moved(host(st), before)
+
+
+@pytest.mark.parametrize("kv_format", ["ds_fp8", "fp8_token", "bf16"])
+def test_moves_by_resident_ids_copy_exact_bytes_and_touch_nothing_else(kv_format,
+                                                                       impl_under_test):
+    # read_request / write_request (one program each) and the four moves
+    # given RequestIds made once: the same bytes as numpy's rows
+    cfg = CFG.replace(kv_format=kv_format)
+    st = random_state(cfg, seed=3)
+    before = host(st)
+    here = dj.request_ids(st, 2, [7, -1, 3])
+    there = dj.request_ids(st, 0, [10, -1, 4], block_row=[5, 9, 1])
+    snap, data = dj.read_request(st, here)
+    assert_snapshot_of(snap, before, 2)
+    assert_blocks_of(data, before, [7, -1, 3])
+    assert_snapshot_of(dj.snapshot(st, here), before, 2)
+    assert_blocks_of(dj.read_blocks(st, here), before, [7, -1, 3])
+    assert_moved(host(dj.write_request(st, there, snap, data)), before)
+    st = random_state(cfg, seed=3)
+    st = dj.write_blocks(dj.restore(st, there, snap), there, data)
+    assert_moved(host(st), before)
 
 
 def test_pinned_host_placement_and_back():
@@ -72,14 +125,43 @@ def test_pinned_host_placement_and_back():
     assert_trees_bytes_equal(dj.read_blocks(st, [8, 9]), want_data)
 
 
-def test_restore_and_write_blocks_run_in_place():
+def test_writes_run_in_place(impl_under_test):
+    # every write program (jnp scatters, or one put_rows call) aliases each
+    # state leaf and copies none
     st = random_state()
     snap, data = dj.snapshot(st, 1), dj.read_blocks(st, [2, 3])
-    restore = rs._program("restore", CFG, None)
-    row = jax.numpy.asarray(np.full(CFG.max_blocks_per_request, -1, np.int32))
-    st = assert_in_place(restore, st, jax.numpy.int32(0), snap, row)
-    write = rs._program("write_blocks", CFG, None)
-    assert_in_place(write, st, jax.numpy.asarray(np.array([5, 6], np.int32)), data)
+    where = dj.request_ids(st, 0, [5, 6], [5, 6])
+    for kind, args in (("restore", (snap,)), ("write_blocks", (data,)),
+                       ("write_request", (snap, data))):
+        st = assert_in_place(rs._program(kind, CFG, None), st, where, *args)
+
+
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=[requires_cpu_ffi,
+                                                              cpu_target_built("dsv4_put_rows")]),
+                                  pytest.param("cuda", marks=CUDA)])
+def test_fused_moves_compile_to_one_copy_call_and_nothing_else(impl):
+    # through copy_rows' handlers, each move's program is its one FFI call:
+    # no fusion, copy or transfer around it (the leaves go in and out as they
+    # are, the put aliased); a snapshot has no leaf the call does not fill
+    st = random_state()
+    here = dj.request_ids(st, 1, [2, 3])
+    there = dj.request_ids(st, 0, [5, 6], [5, 6])
+    jax.clear_caches()
+    with dj.default_impl(impl):
+        snap, data = dj.read_request(st, here)
+        for kind, args in (("snapshot", (here,)), ("read_blocks", (here,)),
+                           ("read_request", (here,)), ("restore", (there, snap)),
+                           ("write_blocks", (there, data)), ("write_request", (there, snap, data))):
+            out = rs._replicated(st, None) if kind in rs.READS else None
+            hlo = rs._program(kind, CFG, out).lower(st, *args).compile().as_text()
+            # every computation of the module (a backend may wrap the call in
+            # one of its own, a command buffer)
+            ops = re.findall(r"\s([a-z][a-z\-]*)\(", hlo)
+            work = [op for op in ops if op not in ("parameter", "get-tuple-element", "tuple",
+                                                   "bitcast", "call")]
+            assert work == ["custom-call"], (kind, work)
+            assert ("input_output_alias" in hlo.split("\n", 1)[0]) == (kind not in rs.READS)
+    jax.clear_caches()
 
 
 def test_inside_a_jitted_step():
@@ -115,6 +197,32 @@ def test_bad_input_raises_and_changes_nothing():
         dj.write_blocks(st, [3, 3], data)
     with pytest.raises(ValueError, match=r"data.csa_kv.nope: expected float8_e4m3fn\[2, 3,"):
         dj.write_blocks(st, [3, 4, 5], data)
+    # RequestIds: checked when made, and against the cache a move is given
+    with pytest.raises(ValueError, match=r"slot: expected an int in \[0, 4\)"):
+        dj.request_ids(st, 4, [1])
+    with pytest.raises(ValueError, match=r"blocks: expected ids in \[0, 12\)"):
+        dj.request_ids(st, 1, [12])
+    with pytest.raises(ValueError, match="blocks: ids must be distinct"):
+        dj.request_ids(st, 1, [3, 3])
+    with pytest.raises(ValueError, match="block_row: expected at most 4"):
+        dj.request_ids(st, 1, [3], [0] * 5)
+    blocks_only = dj.request_ids(st, None, [1, 2])
+    with pytest.raises(ValueError, match="slot: this RequestIds was made without a slot"):
+        dj.snapshot(st, blocks_only)
+    with pytest.raises(ValueError, match="slot: this RequestIds was made without a slot"):
+        dj.write_request(st, blocks_only, snap, data)
+    where = dj.request_ids(st, 1, [1, 2])
+    with pytest.raises(ValueError, match="block_row: a RequestIds carries its block-table row"):
+        dj.restore(st, where, snap, block_row=[1])
+    with pytest.raises(ValueError, match="where: expected a RequestIds"):
+        dj.read_request(st, 1)
+    with pytest.raises(ValueError, match=r"data.csa_kv.nope: expected float8_e4m3fn\[2, 1,"):
+        dj.write_request(st, dj.request_ids(st, 1, [5]), snap, data)
+    bigger = dj.request_ids(dj.init_state(CFG.replace(max_requests=8)), 6, [1])
+    with pytest.raises(ValueError, match=r"where: made for a cache of \(R, N, MB\) = \(8, 12, 4\)"):
+        dj.snapshot(st, bigger)
+    with pytest.raises(ValueError, match=r"where: made for a cache of"):
+        dj.write_blocks(st, bigger, dj.read_blocks(st, [1]))
     assert_trees_bytes_equal(host(st), before)      # nothing was donated or written
 
 

@@ -9,10 +9,13 @@ filled with random bits; a move copies bits, so their values do not matter):
 
 - slot (device): `snapshot` of its slot (windows of every layer, compressor
   accumulators) and `restore` into another slot, on the device.
-- request (device / pinned_host): the whole request out (`snapshot` +
-  `read_blocks` of its blocks, as `offload` does) and back into another slot
-  and other blocks (`write_blocks` + `restore`, as `resume` does), with the
-  copy on the device or in pinned host memory.
+- request (device / pinned_host): the whole request out (`read_request`: the
+  snapshot and its blocks, as `offload` does) and back into another slot and
+  other blocks (`write_request`, as `resume` does), with the copy on the
+  device or in pinned host memory.
+
+Every move is one jitted program given `RequestIds` made once per place
+(`request_ids`), so no index travels from the host inside a timed call.
 - prefix hit: admitting a request on a cached prefix of the whole context is
   a `restore` of the snapshot plus a block-table row (the "restore" of the
   slot row); set against the cache writes of prefilling those tokens through
@@ -53,7 +56,7 @@ import numpy as np
 import dsv4_jax as dj
 from .. import config as C
 from ..request_moves import host_memory_kind
-from ..request_state import read_blocks, restore, snapshot, write_blocks
+from ..request_state import read_request, request_ids, restore, snapshot, write_request
 from ..state import state_shapes
 from . import prefill
 from .device_timeline import device_time
@@ -127,29 +130,35 @@ def device_copy_gbps() -> float:
 
 class Mover:
     """The state and the request (slot 0, blocks [0, n)); moves go into slot
-    1 and blocks [n, 2n), then back, so every timed call moves real bytes."""
+    1 and blocks [n, 2n), then back, so every timed call moves real bytes.
+    Each place's ids are on the device once (`request_ids`)."""
 
     def __init__(self, cfg, context, seed=0):
         self.cfg, self.context = cfg, context
         self.n = C.blocks_for_tokens(context)
         self.state = random_state(cfg, seed)
-        self.homes = [(0, np.arange(self.n, dtype=np.int32)),
-                      (1, np.arange(self.n, 2 * self.n, dtype=np.int32))]
+        homes = [(0, np.arange(self.n, dtype=np.int32)),
+                 (1, np.arange(self.n, 2 * self.n, dtype=np.int32))]
+        self.homes = [request_ids(self.state, slot, blocks, blocks) for slot, blocks in homes]
         self.turn = 0
 
-    def out(self, memory_kind):
-        slot, blocks = self.homes[self.turn]
-        return (snapshot(self.state, slot, memory_kind=memory_kind),
-                read_blocks(self.state, blocks, memory_kind=memory_kind))
+    def out(self, memory_kind, slot_only=False):
+        """The request where it is now: its snapshot (`slot_only`), or
+        (snapshot, blocks) by one `read_request`."""
+        here = self.homes[self.turn]
+        if slot_only:
+            return snapshot(self.state, here, memory_kind=memory_kind), None
+        return read_request(self.state, here, memory_kind=memory_kind)
 
     def into(self, parked, slot_only=False):
         """Write `parked` into the other home; returns what is now there."""
         self.turn ^= 1
-        slot, blocks = self.homes[self.turn]
+        there = self.homes[self.turn]
         snap, data = parked
-        if not slot_only:
-            self.state = write_blocks(self.state, blocks, data)
-        self.state = restore(self.state, slot, snap, blocks)
+        if slot_only:
+            self.state = restore(self.state, there, snap)
+        else:
+            self.state = write_request(self.state, there, snap, data)
         return self.state
 
 
@@ -190,8 +199,8 @@ def measure(model, context, *, reps=5, kv_format="ds_fp8", prefill_impl="auto",
 
     def round_trip(where, memory_kind, moved, slot_only=False):
         nonlocal exact
-        parked = mv.out(memory_kind)
-        out_call = lambda: mv.out(memory_kind)             # noqa: E731
+        parked = mv.out(memory_kind, slot_only)
+        out_call = lambda: mv.out(memory_kind, slot_only)  # noqa: E731
         in_call = lambda: mv.into(parked, slot_only)       # noqa: E731
         t_out, t_in = timed(out_call, reps), timed(in_call, reps)
         d_out, d_in = device_time(out_call, reps), device_time(in_call, reps)
