@@ -153,16 +153,6 @@ struct Cluster {
   }
 };
 
-// Whether 8 bf16 hold no NaN or Inf (exponent bits not all ones).
-__device__ __forceinline__ bool Bf16x8Finite(uint4 v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  bool ok = true;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    ok = ok && (w[i] & 0x7f80u) != 0x7f80u && (w[i] & 0x7f800000u) != 0x7f800000u;
-  return ok;
-}
-
 // One token row, held by a warp: lane L has chunks L and L + 32.
 struct Row {
   uint4 lo, hi;
@@ -175,7 +165,7 @@ __device__ __forceinline__ Row LoadRow(const AppendArgs& a, int64_t t) {
 }
 
 __device__ __forceinline__ bool WarpFinite(const Row& r) {
-  return __all_sync(cuda::kFull, Bf16x8Finite(r.lo) && Bf16x8Finite(r.hi));
+  return __all_sync(cuda::kFull, cuda::Bf16x8Finite(r.lo) && cuda::Bf16x8Finite(r.hi));
 }
 
 // Stores the row of the token at position p of slot s as its cell's entry.

@@ -38,6 +38,30 @@ __device__ __forceinline__ int AttnTokenError(const AttentionArgs& a, int64_t s,
   return -1;
 }
 
+// What the first checks of token t found: the layer, its slot and position,
+// whether it is live, and the error that drops it (-1: none, or padding).
+struct AttnToken {
+  int64_t l = 0, lk = 0, s = -1, p = 0;
+  bool live = false;
+  int err = -1;
+};
+
+// The checks every CTA of token t makes first. A bad layer is counted by the
+// CTA that `counts_layer` (one per call). False past the last token: T = 0
+// still launches one CTA, only to count a bad layer.
+__device__ __forceinline__ bool AttnBeginToken(const AttentionArgs& a, int64_t t,
+                                               bool counts_layer, AttnToken* k) {
+  const bool layer_ok = AttnLayerOk(a, &k->l, &k->lk);
+  if (!layer_ok && counts_layer) atomicAdd(&a.errors[kBadLayer], 1);
+  if (t >= a.T) return false;
+  k->s = __ldg(a.slot + t);
+  k->p = __ldg(a.pos + t);
+  k->live = layer_ok && k->s != -1;
+  k->err = k->live ? AttnTokenError(a, k->s, k->p) : -1;
+  k->live = k->live && k->err < 0;
+  return true;
+}
+
 // p0 of request s: the smallest good position among the call's rows of s
 // (LLONG_MAX without a chunk). Block-wide: every thread of the block calls.
 __device__ __forceinline__ int64_t AttnFirstPos(const AttentionArgs& a, int64_t s, int* scratch) {

@@ -164,15 +164,11 @@ __global__ void __launch_bounds__(kThreads) AttentionSimtKernel(AttentionArgs a)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t t = blockIdx.x;
   const bool counts = blockIdx.y == 0;          // the first head group counts the token
-  int64_t l = 0, lk = 0;
-  const bool layer_ok = AttnLayerOk(a, &l, &lk);
-  if (!layer_ok && blockIdx.x == 0 && blockIdx.y == 0 && tid == 0)
-    atomicAdd(&a.errors[kBadLayer], 1);
-  if (t >= a.T) return;                          // T = 0: one CTA, only to count a bad layer
-  const int64_t s = __ldg(a.slot + t), p = __ldg(a.pos + t);
-  bool live = layer_ok && s != -1;
-  int err = live ? AttnTokenError(a, s, p) : -1;
-  live = live && err < 0;
+  AttnToken tok;
+  if (!AttnBeginToken(a, t, blockIdx.x == 0 && blockIdx.y == 0 && tid == 0, &tok)) return;
+  const int64_t l = tok.l, lk = tok.lk, s = tok.s, p = tok.p;
+  bool live = tok.live;
+  int err = tok.err;
   // NaN or Inf anywhere in the token's q (all heads): NONFINITE
   bool bad_q = false;
   if (live) {
@@ -206,7 +202,8 @@ __global__ void __launch_bounds__(kThreads) AttentionSimtKernel(AttentionArgs a)
       uint8_t src = 0;
       int64_t e = 0;
       const int64_t it = base + tid;
-      const bool seen = it < items && AttnDecideItem(a, l, lk, t, s, p, first_pos, it, counts, true, &src, &e);
+      const bool seen =
+          it < items && AttnDecideItem(a, l, lk, t, s, p, first_pos, it, counts, true, &src, &e);
       const unsigned ballot = __ballot_sync(cuda::kFull, seen);
       if (lane == 0) sm.warp_count[warp] = __popc(ballot);
       __syncthreads();

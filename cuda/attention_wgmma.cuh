@@ -78,16 +78,6 @@ __device__ __forceinline__ void RegsUp() {
 #endif
 }
 
-// Whether 8 bf16 are all finite.
-__device__ __forceinline__ bool Bf16x8Finite(uint4 v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  bool ok = true;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    ok = ok && (w[i] & 0x7f80u) != 0x7f80u && (w[i] & 0x7f800000u) != 0x7f800000u;
-  return ok;
-}
-
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return static_cast<uint32_t>(num::F32ToBf16(lo)) |
          (static_cast<uint32_t>(num::F32ToBf16(hi)) << 16);
@@ -385,14 +375,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t t = blockIdx.x, h0 = static_cast<int64_t>(blockIdx.y) * kHeads;
   const int split = static_cast<int>(blockIdx.z);
   const bool first = blockIdx.y == 0 && split == 0;   // counts the token's errors
-  int64_t l = 0, lk = 0;
-  const bool layer_ok = AttnLayerOk(a, &l, &lk);
-  if (!layer_ok && blockIdx.x == 0 && first && tid == 0) atomicAdd(&a.errors[kBadLayer], 1);
-  if (t >= a.T) return;                          // T = 0: one CTA, only to count a bad layer
-  const int64_t s = __ldg(a.slot + t), p = __ldg(a.pos + t);
-  bool live = layer_ok && s != -1;
-  int err = live ? AttnTokenError(a, s, p) : -1;
-  live = live && err < 0;
+  AttnToken tok;
+  if (!AttnBeginToken(a, t, blockIdx.x == 0 && first && tid == 0, &tok)) return;
+  const int64_t l = tok.l, lk = tok.lk, s = tok.s, p = tok.p;
+  bool live = tok.live;
+  int err = tok.err;
   // q: the CTA's heads into shared memory (zero rows past H), and the token's
   // NaN/Inf check over every head
   bool bad_q = false;

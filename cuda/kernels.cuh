@@ -279,6 +279,16 @@ __device__ __forceinline__ void WarpEncodeEntry(const EntryPool& p, int64_t e, c
   }
 }
 
+// Whether 8 bf16 hold no NaN or Inf (exponent bits not all ones).
+__device__ __forceinline__ bool Bf16x8Finite(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    ok = ok && (w[i] & 0x7f80u) != 0x7f80u && (w[i] & 0x7f800000u) != 0x7f800000u;
+  return ok;
+}
+
 // ---- decode ------------------------------------------------------------------------
 // The bf16 bits of code * s (exactly num::F32ToBf16(num::E4m3ToF32(c) * s)),
 // for one code; the NaN cases follow the host, where a NaN operand of the
