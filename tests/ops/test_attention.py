@@ -248,6 +248,24 @@ def test_prefill_4k_chunk():
 
 
 # ---- trace-time checks ------------------------------------------------------------------------
+def test_splits_fill_one_wave_and_never_cut_below_a_tile():
+    """The CUDA kernel's split rule (ops/attention.py splits_for): 1 for no
+    tokens or a full wave; otherwise CTAs = T x ceil(H / 64) x splits stay
+    within one wave of 132, and no split gets less than a 64-row tile."""
+    from dsv4_jax.ops.attention import splits_for
+    assert splits_for(0, 64, 640) == 1
+    for T in (1, 2, 8, 9, 64, 65, 128, 4096):
+        for H in (1, 64, 96, 128):
+            for C in (1, 64, 65, 640, 4736):
+                S = splits_for(T, H, C)
+                groups = -(-H // 64)
+                assert 1 <= S <= max(1, -(-C // 64)), (T, H, C, S)
+                if S > 1:
+                    assert T * groups * S <= 132, (T, H, C, S)
+                    assert T * groups * (S + 1) > 132 or S == -(-C // 64), (T, H, C, S)
+    assert splits_for(64, 64, 640) == 2 and splits_for(1, 64, 640) == 10
+
+
 def test_argument_errors():
     state = AO.random_state("bf16", {0: 10}, seed=9)
     q = jnp.zeros((2, 4, 512), jnp.bfloat16)
