@@ -76,6 +76,26 @@ def _block_parts(st: CacheState) -> RequestBlocks:
     return RequestBlocks(st.csa.kv, st.csa.index, st.hca.kv)
 
 
+def _with_slot_parts(st: CacheState, parts, table) -> CacheState:
+    """`st` with new per-slot leaves (`_slot_parts`' order) and block table."""
+    window, comp, icomp, hcomp = parts
+    return dataclasses.replace(st, block_table=table, swa=window,
+                               csa=dataclasses.replace(st.csa, comp=comp, icomp=icomp),
+                               hca=dataclasses.replace(st.hca, comp=hcomp))
+
+
+def _with_block_parts(st: CacheState, b: RequestBlocks) -> CacheState:
+    """`st` with new pool leaves (`_block_parts`' order)."""
+    return dataclasses.replace(st, csa=dataclasses.replace(st.csa, kv=b.csa_kv, index=b.csa_index),
+                               hca=dataclasses.replace(st.hca, kv=b.hca_kv))
+
+
+def _snapshot_of(state: CacheState, parts) -> RequestSnapshot:
+    """A snapshot from the slot's leaves in `_slot_parts`' order."""
+    cfg = state.config
+    return RequestSnapshot(*parts, cfg.compress_ratios, cfg.kv_format)
+
+
 def _local_index(index, first, size):
     """(index - first, whether it falls in [0, size)): a global slot or block
     id seen from the shard that owns [first, first + size)."""
@@ -98,13 +118,9 @@ def _put_slot(st: CacheState, slot, first, snap_parts, row) -> CacheState:
     R = st.config.max_requests
     local, ok = _local_index(slot, first, R)
     at = jnp.where(ok, local, R)[None]         # R: dropped by mode="drop"
-    window, comp, icomp, hcomp = jax.tree_util.tree_map(
+    parts = jax.tree_util.tree_map(
         lambda x, b: _write_rows(x, at, b[:, None]), _slot_parts(st), snap_parts)
-    table = st.block_table.at[at[0]].set(row, mode="drop")
-    return dataclasses.replace(
-        st, block_table=table, swa=window,
-        csa=dataclasses.replace(st.csa, comp=comp, icomp=icomp),
-        hca=dataclasses.replace(st.hca, comp=hcomp))
+    return _with_slot_parts(st, parts, st.block_table.at[at[0]].set(row, mode="drop"))
 
 
 def _take_blocks(st: CacheState, blocks, first):
@@ -122,10 +138,8 @@ def _put_blocks(st: CacheState, blocks, first, data) -> CacheState:
     N = st.config.num_blocks
     local, ok = _local_index(blocks, first, N)
     at = jnp.where(ok, local, N)
-    new = jax.tree_util.tree_map(lambda x, b: _write_rows(x, at, b), _block_parts(st), data)
-    return dataclasses.replace(
-        st, csa=dataclasses.replace(st.csa, kv=new.csa_kv, index=new.csa_index),
-        hca=dataclasses.replace(st.hca, kv=new.hca_kv))
+    return _with_block_parts(
+        st, jax.tree_util.tree_map(lambda x, b: _write_rows(x, at, b), _block_parts(st), data))
 
 
 # ---- whole-state bodies -------------------------------------------------------------------
@@ -152,13 +166,12 @@ def _over_shards(state: CacheState, body, operands, out):
 
 
 def _snapshot_slices(state: CacheState, slot) -> RequestSnapshot:
-    cfg = state.config
     window, comp, icomp, hcomp = _over_shards(
         state, lambda st, fs, fb, s: _take_slot(st, s, fs), [slot], "sum")
-    shapes = snapshot_shapes(cfg)
+    shapes = snapshot_shapes(state.config)
     window = jax.tree_util.tree_map(lambda b, s: _unbits(b, s.dtype), window, shapes.window)
-    return RequestSnapshot(window, _unbits(comp, jnp.float32), _unbits(icomp, jnp.float32),
-                           _unbits(hcomp, jnp.float32), cfg.compress_ratios, cfg.kv_format)
+    return _snapshot_of(state, (window, _unbits(comp, jnp.float32), _unbits(icomp, jnp.float32),
+                                _unbits(hcomp, jnp.float32)))
 
 
 def _read_blocks_slices(state: CacheState, blocks) -> RequestBlocks:
@@ -203,15 +216,13 @@ def _copy_layout(state: CacheState, nb: int, *, slot=False, table=False, blocks=
 
 def _take(state: CacheState, where: RequestIds, *, slot: bool, blocks: bool):
     """(snapshot or None, RequestBlocks or None): one take_rows call."""
-    cfg, nb = state.config, where.num_blocks
-    leaves, axes, spans, squeeze = _copy_layout(state, nb, slot=slot, blocks=blocks)
+    leaves, axes, spans, squeeze = _copy_layout(state, where.num_blocks, slot=slot, blocks=blocks)
     rows = copy_rows.take_rows(leaves, axes, where.ids, spans=spans, squeeze=squeeze)
     snap = data = None
     if slot:
         tree = jax.tree_util.tree_structure(_slot_parts(state))
         n = tree.num_leaves
-        window, comp, icomp, hcomp = jax.tree_util.tree_unflatten(tree, rows[:n])
-        snap = RequestSnapshot(window, comp, icomp, hcomp, cfg.compress_ratios, cfg.kv_format)
+        snap = _snapshot_of(state, jax.tree_util.tree_unflatten(tree, rows[:n]))
         rows = rows[n:]
     if blocks:
         data = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(_block_parts(state)),
@@ -236,16 +247,11 @@ def _put(state: CacheState, where: RequestIds, snap: RequestSnapshot | None,
     if slot:
         tree = jax.tree_util.tree_structure(_slot_parts(state))
         n = tree.num_leaves
-        window, comp, icomp, hcomp = jax.tree_util.tree_unflatten(tree, new[:n])
-        st = dataclasses.replace(st, swa=window, block_table=new[n],
-                                 csa=dataclasses.replace(st.csa, comp=comp, icomp=icomp),
-                                 hca=dataclasses.replace(st.hca, comp=hcomp))
+        st = _with_slot_parts(st, jax.tree_util.tree_unflatten(tree, new[:n]), new[n])
         new = new[n + 1:]
     if blocks:
-        b = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(_block_parts(state)), new)
-        st = dataclasses.replace(st, csa=dataclasses.replace(st.csa, kv=b.csa_kv,
-                                                             index=b.csa_index),
-                                 hca=dataclasses.replace(st.hca, kv=b.hca_kv))
+        st = _with_block_parts(st, jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(_block_parts(state)), new))
     return st
 
 
