@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int64_t t = row / a.H, h = row % a.H;
   float big = -INFINITY;
   for (int i = 0; i < splits; ++i)
-    big = fmaxf(big, WsRow(const_cast<float*>(ws), a, i, t, h)[kHeadDim]);
+    big = fmaxf(big, WsRow(ws, a, i, t, h)[kHeadDim]);
   uint4* out = reinterpret_cast<uint4*>(a.out + row * kHeadDim);
   if (big == -INFINITY) {                       // dropped, or sees nothing and no sink
     out[lane] = out[lane + 32] = make_uint4(0, 0, 0, 0);
@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   float acc[2 * kChunk] = {};
   float den = 0.f;
   for (int i = 0; i < splits; ++i) {
-    const float* w = WsRow(const_cast<float*>(ws), a, i, t, h);
+    const float* w = WsRow(ws, a, i, t, h);
     const float mi = w[kHeadDim];
     if (mi == -INFINITY) continue;
     const float f = expf(mi - big);

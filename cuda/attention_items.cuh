@@ -24,6 +24,48 @@ __device__ __forceinline__ bool RowFinite(const uint16_t* row) {
   return ok;
 }
 
+// One-entry pools in shared memory, one per warp: a prefill chunk row is
+// encoded into its warp's pool, so that it reads back as append stores it.
+template <int kWarpsN>
+struct ChunkScratch {
+  alignas(16) uint8_t nope[kWarpsN][kNopeDim * 2];   // fp8 codes, or bf16 for kBf16
+  alignas(16) uint16_t rope[kWarpsN][kRopeDim];
+  alignas(16) float scale[kWarpsN][2];
+
+  __device__ EntryPool Pool(int fmt, int warp) {
+    EntryPool one;
+    one.fmt = fmt;
+    one.nope = nope[warp];
+    one.rope = rope[warp];
+    one.scale = reinterpret_cast<uint8_t*>(scale[warp]);
+    return one;
+  }
+};
+
+// A chunk row as append stores it and a decode reads it back: the lane's two
+// chunks of it (`ulo`, `uhi`, bf16 bits), encoded through the warp's pool
+// `one`, decoded to *lo and *hi. All 32 lanes call.
+__device__ __forceinline__ void WarpChunkRowAsStored(const EntryPool& one,
+                                                     uint4 ulo, uint4 uhi, uint4* lo,
+                                                     uint4* hi) {
+  float flo[kChunk], fhi[kChunk];
+  UnpackBf16x8(ulo, flo);
+  UnpackBf16x8(uhi, fhi);
+  WarpEncodeEntry(one, 0, flo, fhi);
+  __syncwarp();
+  WarpStoreEntryChunks(one.fmt, WarpLoadEntry<false>(one, 0), lo, hi);
+  __syncwarp();
+}
+
+// The lane's two chunks of chunk row `r` of the call (bf16 bits).
+__device__ __forceinline__ void LoadChunkRow(const AttentionArgs& a, int64_t r, uint4* lo,
+                                             uint4* hi) {
+  const int lane = threadIdx.x & 31;
+  const uint4* row = reinterpret_cast<const uint4*>(a.chunk_kv + r * kHeadDim);
+  *lo = __ldg(row + lane);
+  *hi = __ldg(row + lane + 32);
+}
+
 // Whether the call's layer operands are good (BAD_LAYER otherwise).
 __device__ __forceinline__ bool AttnLayerOk(const AttentionArgs& a, int64_t* l, int64_t* lk) {
   *l = __ldg(a.layer);

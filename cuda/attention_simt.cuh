@@ -38,9 +38,7 @@ constexpr int kLaneChannels = 2 * cuda::kChunk;   // channels a lane owns
 struct Shared {
   alignas(16) uint16_t tile[kTileRows][kHeadDim];
   // one-entry pools, one per warp, for encoding a chunk row as append does
-  alignas(16) uint8_t scratch_nope[kWarps][kNopeDim * 2];
-  alignas(16) uint16_t scratch_rope[kWarps][kRopeDim];
-  alignas(16) float scratch_scale[kWarps][2];
+  ChunkScratch<kWarps> scratch;
   int64_t sel[kThreads];
   uint8_t src[kThreads];
   int warp_count[kWarps];
@@ -80,20 +78,12 @@ __device__ void StageRow(const AttentionArgs& a, Shared& sm, int warp, uint8_t s
   } else if (src == kFromPool) {
     cuda::WarpDecodeEntry(a.pool, e, out);
   } else {
+    uint4 ulo, uhi;
+    LoadChunkRow(a, e, &ulo, &uhi);
+    uint4* dst = reinterpret_cast<uint4*>(out);
     const int lane = threadIdx.x & 31;
-    float lo[cuda::kChunk], hi[cuda::kChunk];
-    const uint4* row = reinterpret_cast<const uint4*>(a.chunk_kv + e * kHeadDim);
-    cuda::UnpackBf16x8(__ldg(row + lane), lo);
-    cuda::UnpackBf16x8(__ldg(row + lane + 32), hi);
-    EntryPool one;
-    one.fmt = a.ring.fmt;
-    one.nope = sm.scratch_nope[warp];
-    one.rope = sm.scratch_rope[warp];
-    one.scale = reinterpret_cast<uint8_t*>(sm.scratch_scale[warp]);
-    cuda::WarpEncodeEntry(one, 0, lo, hi);
-    __syncwarp();
-    cuda::WarpDecodeEntry<false>(one, 0, out);
-    __syncwarp();
+    WarpChunkRowAsStored(sm.scratch.Pool(a.ring.fmt, warp), ulo, uhi, dst + lane,
+                         dst + lane + 32);
   }
 }
 

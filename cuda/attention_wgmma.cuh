@@ -32,7 +32,6 @@ constexpr int kTileRows = 64;      // rows a tile: S's N, P.V's K
 constexpr int kRound = 128;        // items the producer decides at a time
 constexpr int kListCap = kTileRows + kRound;
 constexpr int kBatch = 2;          // rows a producer warp has in flight
-constexpr int kWsStride = 516;     // floats a workspace row: O[512], max, denominator, pad
 // setmaxnreg moves registers from the producer to the consumers within what
 // the launch gave the CTA (384 x 168): 128 x 104 + 256 x 200 = 384 x 168. An
 // increase past it would wait forever.
@@ -49,10 +48,7 @@ struct Shared {
   uint8_t list_src[kListCap];
   uint64_t valid[2];                           // per buffer: bit r = row r seen
   int rows[2];                                 // per buffer: rows staged, -1 = end
-  // one-entry pools, one per producer warp, for encoding a chunk row
-  alignas(16) uint8_t scratch_nope[4][kNopeDim * 2];
-  alignas(16) uint16_t scratch_rope[4][kRopeDim];
-  alignas(16) float scratch_scale[4][2];
+  ChunkScratch<4> scratch;                     // one pool per producer warp
   int warp_count[4];
   int first_pos;
 };
@@ -84,10 +80,11 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
 }
 
 // Workspace row of (split, token, head): f32[splits, T, heads padded to 64, 516].
-__device__ __forceinline__ float* WsRow(float* ws, const AttentionArgs& a, int split, int64_t t,
-                                        int64_t h) {
+template <typename F>   // float or const float
+__device__ __forceinline__ F* WsRow(F* ws, const AttentionArgs& a, int split, int64_t t,
+                                    int64_t h) {
   const int64_t hp = (a.H + kHeads - 1) / kHeads * kHeads;
-  return ws + ((split * a.T + t) * hp + h) * kWsStride;
+  return ws + ((split * a.T + t) * hp + h) * kAttnWorkspaceRow;
 }
 
 // A dropped token's rows: out 0, lse -inf (or, split, an empty partial).
@@ -116,25 +113,13 @@ __device__ void WriteDropped(const AttentionArgs& a, float* ws, int splits, int 
 // chunks; false (and zeros) for a row with a NaN or Inf, which no query sees.
 __device__ bool StageChunkRow(const AttentionArgs& a, Shared& sm, int warp, int64_t r, uint4* lo,
                               uint4* hi) {
-  const int lane = threadIdx.x & 31;
-  const uint4* row = reinterpret_cast<const uint4*>(a.chunk_kv + r * kHeadDim);
-  const uint4 ulo = __ldg(row + lane), uhi = __ldg(row + lane + 32);
+  uint4 ulo, uhi;
+  LoadChunkRow(a, r, &ulo, &uhi);
   if (!__all_sync(kFull, Bf16x8Finite(ulo) && Bf16x8Finite(uhi))) {
     *lo = *hi = make_uint4(0, 0, 0, 0);
     return false;
   }
-  float flo[kChunk], fhi[kChunk];
-  UnpackBf16x8(ulo, flo);
-  UnpackBf16x8(uhi, fhi);
-  EntryPool one;
-  one.fmt = a.ring.fmt;
-  one.nope = sm.scratch_nope[warp];
-  one.rope = sm.scratch_rope[warp];
-  one.scale = reinterpret_cast<uint8_t*>(sm.scratch_scale[warp]);
-  WarpEncodeEntry(one, 0, flo, fhi);
-  __syncwarp();
-  WarpStoreEntryChunks(one.fmt, WarpLoadEntry<false>(one, 0), lo, hi);
-  __syncwarp();
+  WarpChunkRowAsStored(sm.scratch.Pool(a.ring.fmt, warp), ulo, uhi, lo, hi);
   return true;
 }
 
@@ -394,9 +379,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       *reinterpret_cast<uint4*>(sm.q + wgmma::ChunkOffset(r, ch)) = v;
     }
-    for (int64_t i = tid; i < a.H * kChunks; i += kThreads) {
-      const int64_t h = i / kChunks;
-      if (h < h0 || h >= h0 + kHeads) bad_q = bad_q || !Bf16x8Finite(__ldg(q + i));
+    if (a.H > kHeads) {                          // heads of the token's other CTAs
+      for (int64_t i = tid; i < a.H * kChunks; i += kThreads) {
+        const int64_t h = i / kChunks;
+        if (h < h0 || h >= h0 + kHeads) bad_q = bad_q || !Bf16x8Finite(__ldg(q + i));
+      }
     }
   }
   if (__syncthreads_or(bad_q)) {
