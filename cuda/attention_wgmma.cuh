@@ -259,19 +259,14 @@ __device__ void Consume(const AttentionArgs& a, Shared& sm, float* ws, int split
       wgmma::MmaSS64(sc, wgmma::KMajor(sm.q, k), wgmma::KMajor(tile, k), k > 0);
     wgmma::Commit();
     wgmma::WaitAll();
+    // S's fragment: element k is head row row0 + 8 ((k >> 1) & 1), tile row
+    // (column) 8 (k >> 2) + 2 quad + (k & 1).
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = 8 * j + 2 * quad + e;
-          float& x = sc[4 * j + 2 * i + e];
-          x = (valid >> col) & 1ull ? x * AttnScale() : -INFINITY;
-          mx[i] = fmaxf(mx[i], x);
-        }
-      }
+    for (int k = 0; k < 32; ++k) {
+      const int i = (k >> 1) & 1, col = 8 * (k >> 2) + 2 * quad + (k & 1);
+      sc[k] = (valid >> col) & 1ull ? sc[k] * AttnScale() : -INFINITY;
+      mx[i] = fmaxf(mx[i], sc[k]);
     }
     float rescale[2], sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -283,16 +278,10 @@ __device__ void Consume(const AttentionArgs& a, Shared& sm, float* ws, int split
       m[i] = m_new;
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = sc[4 * j + 2 * i + e];
-          x = m[i] == -INFINITY ? 0.f : expf(x - m[i]);
-          sum[i] += x;
-        }
-      }
+    for (int k = 0; k < 32; ++k) {
+      const int i = (k >> 1) & 1;
+      sc[k] = m[i] == -INFINITY ? 0.f : expf(sc[k] - m[i]);
+      sum[i] += sc[k];
     }
     uint32_t pa[16];
 #pragma unroll
