@@ -22,7 +22,10 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5);
   if (row >= a.T * a.H) return;
   const int64_t t = row / a.H, h = row % a.H;
+  // Latency-bound work (a few KB a warp): every load of a loop is independent
+  // of the others, so the unrolled loops keep several splits' loads in flight.
   float big = -INFINITY;
+#pragma unroll 8
   for (int i = 0; i < splits; ++i)
     big = fmaxf(big, WsRow(ws, a, i, t, h)[kHeadDim]);
   uint4* out = reinterpret_cast<uint4*>(a.out + row * kHeadDim);
@@ -31,13 +34,15 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     if (lane == 0) a.lse[row] = -INFINITY;
     return;
   }
+  // A live token's splits all wrote their rows (zeros and max -inf where a
+  // split saw nothing), so each is read unconditionally and weighted 0 there.
   float acc[2 * kChunk] = {};
   float den = 0.f;
+#pragma unroll 4
   for (int i = 0; i < splits; ++i) {
     const float* w = WsRow(ws, a, i, t, h);
     const float mi = w[kHeadDim];
-    if (mi == -INFINITY) continue;
-    const float f = expf(mi - big);
+    const float f = mi == -INFINITY ? 0.f : expf(mi - big);
     den = den + w[kHeadDim + 1] * f;
     const float4* lo = reinterpret_cast<const float4*>(w + kChunk * lane);
     const float4* hi = reinterpret_cast<const float4*>(w + kChunk * (lane + 32));

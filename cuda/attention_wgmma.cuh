@@ -3,18 +3,23 @@
 // warpgroups:
 //  - the producer decides the split's items 128 at a time (attention_items.cuh,
 //    counting bad indices and missing blocks once), compacts the seen ones in
-//    item order, and stages them 64 rows a tile into one of two shared-memory
-//    buffers, dequantized to bf16 in the 128-byte-swizzled layout wgmma reads
-//    (a chunk row is first encoded as append stores it; a non-finite one is
-//    zeroed and masked). Each warp keeps kBatch rows' loads in flight.
-//  - two consumers each run S = Q.K^T over the whole tile (64 heads x 64
-//    rows, K-dim 512: both redundantly, which keeps them free of each other)
-//    and the online softmax, then O += P.V for their half of the 512 output
-//    channels (P rounded to bf16 in registers, as the design's step 4).
-// Tiles are handed over by named barriers (full / empty per buffer). With one
-// split the consumers write the final bf16 rows and lse; with several they
-// write unnormalized fp32 partials (O, running max, denominator) to the
-// workspace and attention_combine.cuh merges them. Rules: docs/design.md §6.
+//    item order into tiles of 64 rows and fetches each tile's raw fp8 rows
+//    (codes, RoPE, the words holding the scales) with cp.async into one of two
+//    staging buffers, a tile ahead of the consumers. It holds no row in
+//    registers, so its 72 registers suffice.
+//  - the two consumer warpgroups (8 warps) dequantize a staged tile to bf16
+//    into the 128-byte-swizzled layout wgmma reads (bf16 pools are read from
+//    global memory here; a prefill chunk row is encoded as append stores it,
+//    a non-finite one zeroed and masked), then each runs S = Q.K^T over the
+//    whole tile (64 heads x 64 rows, K-dim 512, both redundantly: no exchange
+//    between them) and the online softmax, then O += P.V for its half of the
+//    512 output channels (P rounded to bf16 in registers, the design's step 4).
+// Raw buffers are handed over by named barriers (full / empty per buffer);
+// the consumers share one bf16 tile between two barriers of their own. With
+// one split the consumers write the final bf16 rows and lse; with several
+// they write unnormalized fp32 partials (O, running max, denominator) to the
+// workspace and attention_combine.cuh merges them. Rules: docs/design.md §6;
+// budget and designs tried: docs/perf/attention.md.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,24 +36,34 @@ constexpr int kHeads = 64;         // heads a CTA computes: wgmma's M
 constexpr int kTileRows = 64;      // rows a tile: S's N, P.V's K
 constexpr int kRound = 128;        // items the producer decides at a time
 constexpr int kListCap = kTileRows + kRound;
-constexpr int kBatch = 2;          // rows a producer warp has in flight
+constexpr int kBatch = 2;          // bf16 pools: rows a producer warp has in flight
+constexpr int kRawRow = kNopeDim + 2 * kRopeDim;   // staged fp8 row: codes, then bf16 RoPE
+constexpr int kRawChunks = kRawRow / 16;           // its 16-byte copies
 // setmaxnreg moves registers from the producer to the consumers within what
-// the launch gave the CTA (384 x 168): 128 x 104 + 256 x 200 = 384 x 168. An
-// increase past it would wait forever.
-constexpr int kProducerRegs = 104;
-constexpr int kConsumerRegs = 200;
+// the launch gave the CTA (384 x 168): 128 x 72 + 256 x 216 = 384 x 168. An
+// increase past it would wait forever; below 216 a consumer's wgmma
+// accumulators do not fit and ptxas serializes the wgmmas (warning C7512).
+constexpr int kProducerRegs = 72;
+constexpr int kConsumerRegs = 216;
 
 // Named barriers (0 is __syncthreads).
-enum Barrier : int { kProducerSync = 1, kFull0 = 2, kEmpty0 = 4 };
+// Raw buffer b: kRawFull + b (fetched, producer -> consumers), kRawEmpty + b
+// (dequantized, consumers -> producer); kConsumerSync: the two consumer
+// warpgroups around their shared bf16 tile.
+enum Barrier : int { kProducerSync = 1, kRawFull = 2, kRawEmpty = 4, kConsumerSync = 6 };
 
 struct Shared {
-  uint8_t q[8 * wgmma::kSlabBytes];           // the CTA's 64 heads, slabs
-  uint8_t tile[2][8 * wgmma::kSlabBytes];      // two buffers of 64 rows
-  int64_t list[kListCap];                      // seen items not yet staged
+  uint8_t q[8 * wgmma::kSlabBytes];            // the CTA's 64 heads, slabs
+  uint8_t tile[8 * wgmma::kSlabBytes];          // the bf16 tile of the consumers
+  uint8_t raw[2][kTileRows * kRawRow];          // fp8 rows fetched for the next tiles
+  uint32_t raw_scale[2][kTileRows][4];          // words holding a row's scales
+  int64_t raw_e[2][kTileRows];                  // each staged row's entry or chunk row
+  uint8_t raw_src[2][kTileRows];
+  int raw_n[2];                                 // rows staged; -1: the end
+  int64_t list[kListCap];                       // seen items not yet staged
   uint8_t list_src[kListCap];
-  uint64_t valid[2];                           // per buffer: bit r = row r seen
-  int rows[2];                                 // per buffer: rows staged, -1 = end
-  ChunkScratch<4> scratch;                     // one pool per producer warp
+  uint64_t valid;                               // bit r: tile row r seen
+  ChunkScratch<8> scratch;                      // one pool per consumer warp
   int warp_count[4];
   int first_pos;
 };
@@ -72,6 +87,29 @@ __device__ __forceinline__ void RegsUp() {
 #if DSV4_HAS_WGMMA
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 #endif
+}
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared, asynchronously (both 16-byte aligned).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(smem)),
+               "l"(gmem) : "memory");
+}
+// The 4-byte word at `gmem` (aligned), of which only `bytes` (1..4) are read;
+// the rest of the shared word is zero.
+__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, int bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SharedAddress(smem)),
+               "l"(gmem), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits for this thread's copy groups but the newest `kPending`.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
@@ -123,61 +161,145 @@ __device__ bool StageChunkRow(const AttentionArgs& a, Shared& sm, int warp, int6
   return true;
 }
 
-// Stages list rows 0..n-1 into buffer b (rows n..63 zero: a masked row must
-// hold finite values, since its zero weight times NaN would be NaN). Pool and
-// ring rows go kBatch at a time per warp, loads before stores; chunk rows
-// (prefill only) after them, apart, as their encoding needs many registers.
-__device__ void StageTile(const AttentionArgs& a, Shared& sm, int b, int n) {
+// Entries in the pool a staged row comes from.
+__device__ __forceinline__ int64_t PoolEntries(const AttentionArgs& a, uint8_t src) {
+  return src == kFromRing ? a.L * a.R * kWindow : a.Lk * a.N * a.per_block;
+}
+
+// Starts fetching list rows 0..n-1 into staging buffer rb (fp8 pools: codes,
+// RoPE and the words holding the scales; bf16 pools and chunk rows are read
+// when the tile is dequantized) and records what each row is. One cp.async
+// group per thread.
+__device__ void FetchRaw(const AttentionArgs& a, Shared& sm, int rb, int n) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  uint8_t* tile = sm.tile[b];
-  auto chunks = [&](int r, uint4** lo, uint4** hi) {
-    *lo = reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, lane));
-    *hi = reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, lane + 32));
-  };
-  if (tid == 0) sm.valid[b] = n >= 64 ? ~0ull : (1ull << n) - 1ull;
-  BarSync(kProducerSync, 128);
-  for (int r0 = warp; r0 < kTileRows; r0 += 4 * kBatch) {
-    EntryRegs x[kBatch];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int r = r0 + 4 * k;
-      if (r < n && sm.list_src[r] != kFromChunk)
-        x[k] = WarpLoadEntry(sm.list_src[r] == kFromRing ? a.ring : a.pool, sm.list[r]);
+  for (int r = tid; r < n; r += 128) {
+    sm.raw_e[rb][r] = sm.list[r];
+    sm.raw_src[rb][r] = sm.list_src[r];
+  }
+  if (tid == 0) sm.raw_n[rb] = n;
+  const int fmt = a.ring.fmt;
+  if (fmt != kBf16) {
+    for (int r = warp; r < n; r += 4) {
+      const uint8_t src = sm.list_src[r];
+      if (src == kFromChunk) continue;
+      const EntryPool& pool = src == kFromRing ? a.ring : a.pool;
+      const int64_t e = sm.list[r];
+      uint8_t* dst = sm.raw[rb] + r * kRawRow;
+      for (int c = lane; c < kRawChunks; c += 32) {
+        const uint8_t* g = c < kNopeDim / 16
+                               ? pool.nope + e * kNopeDim + c * 16
+                               : reinterpret_cast<const uint8_t*>(pool.rope + e * kRopeDim) +
+                                     (c - kNopeDim / 16) * 16;
+        CpAsync16(dst + c * 16, g);
+      }
+      if (fmt == kDsFp8 && lane < 3) {
+        // the 7 scale bytes lie in 3 aligned words; none is read past the pool
+        const int64_t word = e * kNopeTiles / 4 + lane;
+        const int64_t left = PoolEntries(a, src) * kNopeTiles - 4 * word;
+        if (left > 0)
+          CpAsync4(&sm.raw_scale[rb][r][lane], pool.scale + 4 * word, left < 4 ? int(left) : 4);
+      } else if (fmt == kFp8Token && lane == 0) {
+        CpAsync4(&sm.raw_scale[rb][r][0], reinterpret_cast<const float*>(pool.scale) + e, 4);
+      }
     }
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int r = r0 + 4 * k;
+  }
+  CpAsyncCommit();
+}
+
+// A staged fp8 row as the lane's EntryRegs (what WarpLoadEntry reads from
+// the pool).
+__device__ __forceinline__ EntryRegs StagedEntry(const Shared& sm, int fmt, int rb, int r) {
+  const int lane = threadIdx.x & 31, jhi = lane + 32;
+  const uint8_t* raw = sm.raw[rb] + r * kRawRow;
+  EntryRegs x;
+  const uint2 clo = *reinterpret_cast<const uint2*>(raw + lane * kChunk);
+  x.lo = make_uint4(clo.x, clo.y, 0, 0);
+  if (jhi < kNopeChunks) {
+    const uint2 chi = *reinterpret_cast<const uint2*>(raw + jhi * kChunk);
+    x.hi = make_uint4(chi.x, chi.y, 0, 0);
+  } else {
+    x.hi = *reinterpret_cast<const uint4*>(raw + kNopeDim + (jhi - kNopeChunks) * 16);
+  }
+  if (fmt == kDsFp8) {
+    const uint8_t* sc = reinterpret_cast<const uint8_t*>(sm.raw_scale[rb][r]) +
+                        sm.raw_e[rb][r] * kNopeTiles % 4;
+    x.slo = num::E8m0ToF32(sc[lane >> 3]);
+    x.shi = jhi < kNopeChunks ? num::E8m0ToF32(sc[jhi >> 3]) : 1.f;
+  } else {
+    x.slo = x.shi = *reinterpret_cast<const float*>(sm.raw_scale[rb][r]);
+  }
+  return x;
+}
+
+// Consumers: dequantizes raw buffer rb (n rows) into the bf16 tile, 8 warps
+// of both consumer warpgroups, rows past n zero (a masked row must hold
+// finite values: its zero weight times NaN is NaN); clears the valid bit of a
+// non-finite chunk row. `cw`: the consumer warp, 0..7.
+__device__ void DequantTile(const AttentionArgs& a, Shared& sm, int rb, int n, int cw) {
+  const int lane = threadIdx.x & 31, fmt = a.ring.fmt;
+  auto chunks = [&](int r, uint4** lo, uint4** hi) {
+    *lo = reinterpret_cast<uint4*>(sm.tile + wgmma::ChunkOffset(r, lane));
+    *hi = reinterpret_cast<uint4*>(sm.tile + wgmma::ChunkOffset(r, lane + 32));
+  };
+  if (fmt != kBf16) {
+    for (int r = cw; r < kTileRows; r += 8) {
       uint4 *lo, *hi;
       chunks(r, &lo, &hi);
       if (r >= n) *lo = *hi = make_uint4(0, 0, 0, 0);
-      else if (sm.list_src[r] != kFromChunk) WarpStoreEntryChunks(a.ring.fmt, x[k], lo, hi);
+      else if (sm.raw_src[rb][r] != kFromChunk)
+        WarpStoreEntryChunks(fmt, StagedEntry(sm, fmt, rb, r), lo, hi);
+    }
+  } else {
+    for (int r0 = cw; r0 < kTileRows; r0 += 8 * kBatch) {
+      EntryRegs x[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int r = r0 + 8 * k;
+        if (r < n && sm.raw_src[rb][r] != kFromChunk)
+          x[k] = WarpLoadEntry(sm.raw_src[rb][r] == kFromRing ? a.ring : a.pool, sm.raw_e[rb][r]);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int r = r0 + 8 * k;
+        uint4 *lo, *hi;
+        chunks(r, &lo, &hi);
+        if (r >= n) *lo = *hi = make_uint4(0, 0, 0, 0);
+        else if (sm.raw_src[rb][r] != kFromChunk) WarpStoreEntryChunks(fmt, x[k], lo, hi);
+      }
     }
   }
-  if (!a.has_chunk) return;
-  for (int r = warp; r < n; r += 4) {
-    if (sm.list_src[r] != kFromChunk) continue;
-    uint4 *lo, *hi;
-    chunks(r, &lo, &hi);
-    if (!StageChunkRow(a, sm, warp, sm.list[r], lo, hi) && lane == 0)
-      atomicAnd(reinterpret_cast<unsigned long long*>(&sm.valid[b]), ~(1ull << r));
+  if (a.has_chunk) {
+    for (int r = cw; r < n; r += 8) {
+      if (sm.raw_src[rb][r] != kFromChunk) continue;
+      uint4 *lo, *hi;
+      chunks(r, &lo, &hi);
+      if (!StageChunkRow(a, sm, cw, sm.raw_e[rb][r], lo, hi) && lane == 0)
+        atomicAnd(reinterpret_cast<unsigned long long*>(&sm.valid), ~(1ull << r));
+    }
   }
 }
 
-// The producer warpgroup: decide items [c0, c1) of token t, stage them a tile
-// at a time, then the end marker.
+// The producer warpgroup: decide items [c0, c1) of token t and fetch each
+// tile's rows into a raw buffer, handing a buffer to the consumers once its
+// copies have landed (while the next tile's are in flight); then the end
+// marker.
 __device__ void Produce(const AttentionArgs& a, Shared& sm, int64_t l, int64_t lk, int64_t t,
                         int64_t s, int64_t p, int64_t first_pos, int64_t c0, int64_t c1,
                         bool counts) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int pending = 0, tiles = 0;
+  auto hand_over = [&](int tile, bool newest) {   // tile's copies landed: to the consumers
+    if (newest) CpAsyncWait<0>();
+    else CpAsyncWait<1>();
+    BarSync(kProducerSync, 128);
+    BarArrive(kRawFull + (tile & 1), kThreads);
+  };
   auto emit = [&](int n) {
-    const int b = tiles & 1;
-    if (tiles >= 2) BarSync(kEmpty0 + b, kThreads);
-    StageTile(a, sm, b, n);
-    wgmma::FenceSharedForAsync();
-    if (tid == 0) sm.rows[b] = n;
-    BarArrive(kFull0 + b, kThreads);
+    const int rb = tiles & 1;
+    if (tiles >= 2) BarSync(kRawEmpty + rb, kThreads);   // tile tiles-2 dequantized
+    FetchRaw(a, sm, rb, n);
     ++tiles;
+    if (tiles >= 2) hand_over(tiles - 2, false);
     // move the items not staged to the front of the list
     pending -= n;
     int64_t e = 0;
@@ -218,11 +340,13 @@ __device__ void Produce(const AttentionArgs& a, Shared& sm, int64_t l, int64_t l
     while (pending >= kTileRows) emit(kTileRows);
   }
   if (pending > 0) emit(pending);
-  const int b = tiles & 1;                      // the end marker
-  if (tiles >= 2) BarSync(kEmpty0 + b, kThreads);
-  if (tid == 0) sm.rows[b] = -1;
-  BarArrive(kFull0 + b, kThreads);
-  if (tiles >= 1) BarSync(kEmpty0 + ((tiles - 1) & 1), kThreads);  // balance the last release
+  if (tiles >= 1) hand_over(tiles - 1, true);
+  // the end marker in the next buffer, then every release the consumers owe
+  const int rb = tiles & 1;
+  if (tiles >= 2) BarSync(kRawEmpty + rb, kThreads);
+  if (tid == 0) sm.raw_n[rb] = -1;
+  BarArrive(kRawFull + rb, kThreads);
+  if (tiles >= 1) BarSync(kRawEmpty + ((tiles - 1) & 1), kThreads);
 }
 
 // A consumer warpgroup (c = 0, 1: output channels 256c .. 256c + 255). Thread
@@ -245,13 +369,20 @@ __device__ void Consume(const AttentionArgs& a, Shared& sm, float* ws, int split
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  const int cw = 4 * c + warp;                  // consumer warp, 0..7
   for (int it = 0;; ++it) {
-    const int b = it & 1;
-    BarSync(kFull0 + b, kThreads);
-    const int rows = *reinterpret_cast<volatile int*>(&sm.rows[b]);
-    if (rows < 0) break;
-    const uint64_t valid = *reinterpret_cast<volatile uint64_t*>(&sm.valid[b]);
-    const uint8_t* tile = sm.tile[b];
+    const int rb = it & 1;
+    BarSync(kRawFull + rb, kThreads);
+    const int n = *reinterpret_cast<volatile int*>(&sm.raw_n[rb]);
+    if (n < 0) break;
+    if (threadIdx.x == 128) sm.valid = n >= 64 ? ~0ull : (1ull << n) - 1ull;
+    BarSync(kConsumerSync, 256);                // both done with the tile before; valid set
+    DequantTile(a, sm, rb, n, cw);
+    wgmma::FenceSharedForAsync();
+    BarArrive(kRawEmpty + rb, kThreads);        // the raw buffer may be refilled
+    BarSync(kConsumerSync, 256);                // the whole tile is written
+    const uint64_t valid = *reinterpret_cast<volatile uint64_t*>(&sm.valid);
+    const uint8_t* tile = sm.tile;
     float sc[32];
     wgmma::Fence();
 #pragma unroll
@@ -301,7 +432,6 @@ __device__ void Consume(const AttentionArgs& a, Shared& sm, float* ws, int split
     }
     wgmma::Commit();
     wgmma::WaitAll();
-    BarArrive(kEmpty0 + b, kThreads);
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -361,19 +491,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint4* q = reinterpret_cast<const uint4*>(a.q + t * a.H * kHeadDim);
     for (int i = tid; i < kHeads * kChunks; i += kThreads) {
       const int r = i / kChunks, ch = i % kChunks;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (h0 + r < a.H) {
-        v = __ldg(q + (h0 + r) * kChunks + ch);
-        bad_q = bad_q || !Bf16x8Finite(v);
-      }
-      *reinterpret_cast<uint4*>(sm.q + wgmma::ChunkOffset(r, ch)) = v;
+      uint8_t* dst = sm.q + wgmma::ChunkOffset(r, ch);
+      if (h0 + r < a.H) CpAsync16(dst, q + (h0 + r) * kChunks + ch);
+      else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
+    CpAsyncCommit();
     if (a.H > kHeads) {                          // heads of the token's other CTAs
       for (int64_t i = tid; i < a.H * kChunks; i += kThreads) {
         const int64_t h = i / kChunks;
         if (h < h0 || h >= h0 + kHeads) bad_q = bad_q || !Bf16x8Finite(__ldg(q + i));
       }
     }
+    CpAsyncWait<0>();
+    for (int i = tid; i < kHeads * kChunks; i += kThreads)
+      if (h0 + i / kChunks < a.H)
+        bad_q = bad_q || !Bf16x8Finite(*reinterpret_cast<const uint4*>(
+                             sm.q + wgmma::ChunkOffset(i / kChunks, i % kChunks)));
   }
   if (__syncthreads_or(bad_q)) {
     err = kNonfinite;
