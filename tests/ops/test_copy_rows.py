@@ -147,6 +147,30 @@ def test_put_rows_writes_the_rows_in_place_and_no_other_byte(impl, case):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_move_longer_than_one_wave_and_an_empty_leaf_between(impl):
+    """6 MB of rows (three 2 MB rows, a -1 skipped): more pieces than one wave of the CUDA grid has warps
+    (132 x 4 blocks of 8 warps a KB each on an H100), so warps take several
+    pieces and cross from one leaf to the next; a leaf of no bytes sits
+    between two others (its segment has no pieces)."""
+    rng = np.random.default_rng(11)
+    leaves = [rng.integers(0, 256, (6, 4, 1 << 19), np.uint8),
+              np.zeros((2, 6, 0), np.float32),
+              rng.integers(0, 256, (5, 6, 9), np.uint8)]
+    axes = [0, 1, 1]
+    ids = np.array([5, 0, -1, 3], np.int32)
+    take = jax.jit(lambda xs, i: cr.take_rows(xs, axes, i, impl=impl))
+    got = take([jnp.asarray(x) for x in leaves], jnp.asarray(ids))
+    for k, (x, a, g) in enumerate(zip(leaves, axes, got)):
+        assert np.array_equal(as_bytes(g), as_bytes(numpy_take(x, a, ids))), f"take, leaf {k}"
+    rows = [rng.integers(0, 256, np.asarray(g).shape, np.uint8).astype(g.dtype) for g in got]
+    put = jax.jit(lambda xs, i, r: cr.put_rows(xs, axes, i, r, impl=impl), donate_argnums=0)
+    back = put([jnp.asarray(x) for x in leaves], jnp.asarray(ids), [jnp.asarray(r) for r in rows])
+    for k, (x, a, r, g) in enumerate(zip(leaves, axes, rows, back)):
+        want = numpy_put(x, a, ids, r)
+        assert np.array_equal(as_bytes(g), as_bytes(want)), f"put, leaf {k}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_put_then_take_round_trips_every_row(impl):
     leaves = [jnp.asarray(x) for x in random_leaves(3)]
     ids = jnp.asarray([1, 4, 0], jnp.int32)
