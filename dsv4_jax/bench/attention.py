@@ -130,21 +130,24 @@ def bench_decode(b, batches, contexts, kinds, H, k, peak):
             for kind in kinds:
                 layer = LAYER[kind]
                 tk = topk if kind == "csa" else None
-                fused = jax.jit(lambda st, q_, tk_: attention(
-                    st, layer, q_, slot, pos, sink=sink, topk=tk_, rope_inv_freq=inv,
+                # slot, pos and sink are arguments: captured, XLA would rebuild
+                # them as iota / broadcast kernels inside the timed span
+                fused = jax.jit(lambda st, q_, tk_, sl, ps, sk: attention(
+                    st, layer, q_, sl, ps, sink=sk, topk=tk_, rope_inv_freq=inv,
                     return_state=False))
-                base = jax.jit(lambda st, q_, tk_: baseline(
-                    st, layer, kind, q_, slot, pos, sink, tk_, inv, cfg.max_blocks_per_request))
+                base = jax.jit(lambda st, q_, tk_, sl, ps, sk: baseline(
+                    st, layer, kind, q_, sl, ps, sk, tk_, inv, cfg.max_blocks_per_request))
+                args = (state, q, tk, slot, pos, sink)
                 visited = B * (C.WINDOW + (k if kind == "csa" else ctx // C.HCA_RATIO))
-                us, host_us, dev_us = _timed(b, lambda: fused(state, q, tk))
-                base_us, base_host_us, base_dev_us = _timed(b, lambda: base(state, q, tk))
+                us, host_us, dev_us = _timed(b, lambda: fused(*args))
+                base_us, base_host_us, base_dev_us = _timed(b, lambda: base(*args))
                 nbytes = visited * ENTRY_BYTES + 2 * B * H * C.HEAD_DIM * 2
                 row = _row(b, dict(op="attention", mode="decode", kind=kind, B=B, context=ctx),
                            us, visited, B, H, nbytes)
                 row.update(peak_frac=row["tflops"] / peak, baseline_us=base_us,
                            speedup=base_us / us, host_us=host_us, dev_us=dev_us,
                            baseline_host_us=base_host_us, baseline_dev_us=base_dev_us,
-                           rel_diff=_rel_diff(fused(state, q, tk)[0], base(state, q, tk)))
+                           rel_diff=_rel_diff(fused(*args)[0], base(*args)))
                 b.record(**row)
 
 
@@ -164,12 +167,12 @@ def bench_prefill(b, n, kinds, H, k, peak):
     for kind in kinds:
         layer = LAYER[kind]
         tk = topk if kind == "csa" else None
-        calls = {impl: jax.jit(lambda st, q_, tk_, ck, impl=impl: attention(
-            st, layer, q_, slot, pos, sink=sink, topk=tk_, chunk_kv=ck, rope_inv_freq=inv,
+        calls = {impl: jax.jit(lambda st, q_, tk_, ck, sl, ps, sk, impl=impl: attention(
+            st, layer, q_, sl, ps, sink=sk, topk=tk_, chunk_kv=ck, rope_inv_freq=inv,
             impl=impl, return_state=False)) for impl in ("auto", "reference")}
-        us, host_us, dev_us = _timed(b, lambda: calls["auto"](state, q, tk, chunk))
-        ref_us, ref_host_us, ref_dev_us = _timed(b, lambda: calls["reference"](state, q, tk,
-                                                                               chunk))
+        args = (state, q, tk, chunk, slot, pos, sink)     # not captured: see bench_decode
+        us, host_us, dev_us = _timed(b, lambda: calls["auto"](*args))
+        ref_us, ref_host_us, ref_dev_us = _timed(b, lambda: calls["reference"](*args))
         p = np.arange(n)
         comp = np.minimum((p + 1) // 4, k) if kind == "csa" else (p + 1) // C.HCA_RATIO
         visited = int(np.sum(np.minimum(p + 1, C.WINDOW) + comp))
@@ -178,8 +181,7 @@ def bench_prefill(b, n, kinds, H, k, peak):
         row.update(peak_frac=row["tflops"] / peak, baseline_us=ref_us, speedup=ref_us / us,
                    host_us=host_us, dev_us=dev_us, baseline_host_us=ref_host_us,
                    baseline_dev_us=ref_dev_us,
-                   rel_diff=_rel_diff(calls["auto"](state, q, tk, chunk)[0],
-                                      calls["reference"](state, q, tk, chunk)[0]))
+                   rel_diff=_rel_diff(calls["auto"](*args)[0], calls["reference"](*args)[0]))
         b.record(**row)
 
 
