@@ -24,7 +24,7 @@ IMPLS = ["reference", pytest.param("cpu", marks=CPU), pytest.param("cuda", marks
 FFI_IMPLS = [pytest.param("cpu", marks=CPU), pytest.param("cuda", marks=CUDA)]
 
 # (shape, dtype, row axis), row sizes in bytes: a window leaf (17,920: longer
-# than a piece of 2 KB), bf16 (512), the 7-byte e8m0 scales of an HCA entry,
+# than a piece of 1 KB), bf16 (512), the 7-byte e8m0 scales of an HCA entry,
 # f32 accumulators (120: 8-byte copies), positions (16), indexer bytes
 # (2,048), a block table on axis 0 (20: 4-byte copies), bf16 rows of 6 bytes
 # on axis 2, one byte a row on the last axis.
