@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include "attention_items.cuh"
+#include "cp_async.cuh"
 #include "wgmma.cuh"
 
 namespace dsv4 {
@@ -87,29 +88,6 @@ __device__ __forceinline__ void RegsUp() {
 #if DSV4_HAS_WGMMA
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 #endif
-}
-
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16 bytes global -> shared, asynchronously (both 16-byte aligned).
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(smem)),
-               "l"(gmem) : "memory");
-}
-// The 4-byte word at `gmem` (aligned), of which only `bytes` (1..4) are read;
-// the rest of the shared word is zero.
-__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SharedAddress(smem)),
-               "l"(gmem), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits for this thread's copy groups but the newest `kPending`.
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {

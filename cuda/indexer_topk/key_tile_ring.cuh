@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "cp_async.cuh"
 #include "indexer_topk/launch_policy.h"
 
 namespace dsv4 {
@@ -23,12 +24,6 @@ constexpr int64_t kBlockKeyBytes = static_cast<int64_t>(kPerBlock) * kIndexPacke
 constexpr int64_t kBlockScaleBytes = static_cast<int64_t>(kPerBlock) * kIndexScales;   // 128
 constexpr int kRingBytes = kMmaWarps * kStages * kTileWords * 4;                      // dynamic
 
-// With an L2 eviction policy (StreamPolicy).
-__device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-               ::"r"(smem), "l"(gmem), "l"(policy)
-               : "memory");
-}
 // The key stream's L2 policy: evict_first where the keys are more than L2
 // holds (KeysEvictFirst), so that lines read once go before the rank keys
 // the select reads next; else evict_normal.
@@ -38,12 +33,6 @@ __device__ __forceinline__ uint64_t StreamPolicy(bool evict_first) {
   else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(p));
   return p;
 }
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
 // A warp's view of its tiles: lane L copies 16-byte chunks L, L + 32, L + 64
 // and L + 96 of the keys and (lanes 0-7) chunk L of the scales.
 struct TileStream {
@@ -59,9 +48,10 @@ struct TileStream {
     const uint32_t d = dst + static_cast<uint32_t>(stage) * kTileWords * 4;
     const uint8_t* src = packed + static_cast<int64_t>(block) * kBlockKeyBytes;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) CpAsync16(d + 512 * i, src + 512 * i, policy);
+    for (int i = 0; i < 4; ++i) cuda::CpAsync16(d + 512 * i, src + 512 * i, policy);
     if (lane < 8)
-      CpAsync16(d + kScaleWord * 4, scale + static_cast<int64_t>(block) * kBlockScaleBytes, policy);
+      cuda::CpAsync16(d + kScaleWord * 4, scale + static_cast<int64_t>(block) * kBlockScaleBytes,
+                      policy);
   }
 };
 

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   while (tiles < tiles_per_warp && first + (column + columns * tiles) * kTile < ti.n) ++tiles;
   auto issue = [&](int it) {
     if (it < tiles) ts.Issue(blocks_s[column + columns * it], it % kStages, lane);
-    CpAsyncCommit();                                           // empty groups keep the count
+    cuda::CpAsyncCommit();                                     // empty groups keep the count
   };
 #pragma unroll 1
   for (int it = 0; it < kStages - 1; ++it) issue(it);
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   }
   const bool token_fast = __syncthreads_and(head_fast);
   if (nonfinite_s) {                                           // NONFINITE: the select drops the row
-    CpAsyncWait<0>();
+    cuda::CpAsyncWait<0>();
     return;
   }
   if (threadIdx.x < columns * tiles_per_warp) {
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   for (int it = 0; it < tiles; ++it) {                         // uniform per warp
     const int32_t block = blocks_s[column + columns * it];    // read early: hides its latency
     issue(it + kStages - 1);
-    CpAsyncWait<kStages - 1>();
+    cuda::CpAsyncWait<kStages - 1>();
     __syncwarp();
     const int64_t e0 = first + (column + columns * it) * kTile;
     if (block < 0 || block >= a.N) {
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
     }
     __syncwarp();                                              // the stage is free for its next tile
   }
-  CpAsyncWait<0>();
+  cuda::CpAsyncWait<0>();
 }
 
 }  // namespace
