@@ -96,6 +96,11 @@ def _snapshot_of(state: CacheState, parts) -> RequestSnapshot:
     return RequestSnapshot(*parts, cfg.compress_ratios, cfg.kv_format)
 
 
+def _parts_of(snap: RequestSnapshot):
+    """A snapshot's leaves in `_slot_parts`' order (`_snapshot_of` undone)."""
+    return (snap.window, snap.csa_comp, snap.csa_icomp, snap.hca_comp)
+
+
 def _local_index(index, first, size):
     """(index - first, whether it falls in [0, size)): a global slot or block
     id seen from the shard that owns [first, first + size)."""
@@ -181,7 +186,7 @@ def _read_blocks_slices(state: CacheState, blocks) -> RequestBlocks:
 
 
 def _restore_slices(state: CacheState, slot, snap: RequestSnapshot, row) -> CacheState:
-    parts = (snap.window, snap.csa_comp, snap.csa_icomp, snap.hca_comp)
+    parts = _parts_of(snap)
     return _over_shards(state, lambda st, fs, fb, s, p, r: _put_slot(st, s, fs, p, r),
                         [slot, parts, row], "state")
 
@@ -238,8 +243,7 @@ def _put(state: CacheState, where: RequestIds, snap: RequestSnapshot | None,
     leaves, axes, spans, squeeze = _copy_layout(state, nb, slot=slot, table=slot, blocks=blocks)
     rows = []
     if slot:
-        rows += jax.tree_util.tree_leaves((snap.window, snap.csa_comp, snap.csa_icomp,
-                                           snap.hca_comp)) + [where.row]
+        rows += jax.tree_util.tree_leaves(_parts_of(snap)) + [where.row]
     if blocks:
         rows += jax.tree_util.tree_leaves(data)
     new = copy_rows.put_rows(leaves, axes, where.ids, rows, spans=spans, squeeze=squeeze)
