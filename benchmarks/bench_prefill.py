@@ -61,7 +61,7 @@ from dsv4_jax.bench.inputs import flush_params
 from dsv4_jax.bench.timing import BenchRun, Settings
 from dsv4_jax.config import PRESETS
 from dsv4_jax.errors import error_counts
-from dsv4_jax.manager import bucket
+from dsv4_jax.meta import bucket
 
 from device import memory_limit_bytes
 

@@ -57,8 +57,8 @@ from dsv4_jax import config as C
 from dsv4_jax.arguments import output_path
 from dsv4_jax.bench.device_timeline import device_time
 from dsv4_jax.config import PRESETS
-from dsv4_jax.request_moves import host_memory_kind
-from dsv4_jax.request_state import read_request, request_ids, restore, snapshot, write_request
+from dsv4_jax.requests.moves import host_memory_kind
+from dsv4_jax.requests.transfer import read_request, request_ids, restore, snapshot, write_request
 from dsv4_jax.state import state_shapes
 
 import bench_prefill as prefill
