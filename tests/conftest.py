@@ -2,6 +2,8 @@
 and the fixtures that test files in several folders use."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import sys
 
@@ -9,7 +11,12 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Four CPU devices for the sharding tests; must be set before jax initializes.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# LLVM's optimization level 0 for the CPU code XLA emits: the suite compiles
+# hundreds of small programs and runs each briefly, and at level 0 it spends
+# about a third less time compiling; the arithmetic is IEEE at every level,
+# so every result (and every comparison of the suite) is the same.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 "
+                                   "--xla_backend_optimization_level=0")
 # No --xla_allow_excess_precision=false here: the reference rounds to bf16
 # on the bits (reference/quant.py to_bf16), so it must hold under XLA's
 # default, which lets the GPU compiler drop f32 -> bf16 -> f32 round trips.
@@ -25,15 +32,70 @@ from support.marks import CUDA, requires_cpu_ffi
 from support.tiny_step import CFG, errs, inputs, step
 
 
+IMPL_ORDER = ("auto", "reference", "cpu", "cuda")
+
+
+def _impl_of(item) -> str:
+    """What impl="auto" resolves to while `item` runs: its impl_under_test
+    parameter, else the default."""
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("impl_under_test", "auto") if callspec else "auto"
+
+
+def pytest_collection_modifyitems(items):
+    """Each file's tests grouped by the implementation they run under (a
+    stable sort, files in their order): the jit caches, which hold traces
+    made under one implementation, then serve a whole group, and a
+    module-level jitted helper compiles once per implementation, not once
+    per test."""
+    files = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    items[:] = [item for group in files.values()
+                for item in sorted(group, key=lambda i: IMPL_ORDER.index(_impl_of(i)))]
+
+
+_traced_under = [None, None]       # the impl and the file of the last test
+# Compiled programs are kept until the caches are cleared: past this resident
+# size they are let go after a test, so a long run stays within ~2 GB.
+_RSS_LIMIT = 1.2 * 2 ** 30
+
+
+try:
+    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+except (OSError, AttributeError):    # not glibc: nothing to trim
+    _malloc_trim = lambda pad: 0     # noqa: E731
+
+
+def _rss() -> int:
+    """This process's resident bytes now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _jit_caches_follow_the_impl(request):
+    """Clears the jit caches when the implementation "auto" stands for
+    changes between two tests, so no trace made under another is reused
+    (default_impl is read when a function is traced); and when the file
+    changes, or the process holds more than _RSS_LIMIT, to let go of
+    compiled programs no later test uses."""
+    here = (_impl_of(request.node), request.node.path)
+    if _traced_under[0] is not None and (here != tuple(_traced_under) or _rss() > _RSS_LIMIT):
+        jax.clear_caches()
+        gc.collect()
+        _malloc_trim(0)             # hand the freed heap back to the system
+    _traced_under[:] = here
+    yield
+
+
 @pytest.fixture(params=["reference", pytest.param("cpu", marks=requires_cpu_ffi),
                         pytest.param("cuda", marks=CUDA)])
 def impl_under_test(request):
-    """Runs a test once per implementation, as what impl="auto" resolves to.
-    Jit caches are cleared around it so no trace of another impl is reused."""
-    jax.clear_caches()
+    """Runs a test once per implementation, as what impl="auto" resolves to
+    (the jit caches: _jit_caches_follow_the_impl)."""
     with D.default_impl(request.param):
         yield request.param
-    jax.clear_caches()
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,7 @@ def test_benchmark_leaves_the_state_of_plain_op_calls(write):
 
 @pytest.mark.parametrize("write", [pytest.param(w, marks=CUDA) for w in prefill.WRITES])
 def test_gpu_run_reports_its_timeline(tmp_path, write):
-    """On the GPU (the lead runs it): the CUDA path end to end, and the
+    """On the GPU (run there): the CUDA path end to end, and the
     device timeline of a run split into its steps."""
     out = tmp_path / "prefill.json"
     assert prefill.main(["--scenarios", SMOKE, "--model", "tiny", "--reps", "1", "--write", write,

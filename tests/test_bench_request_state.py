@@ -46,7 +46,7 @@ def test_contexts_must_be_whole_blocks():
 
 @pytest.mark.parametrize("model", [pytest.param("tiny", marks=CUDA)])
 def test_gpu_run_moves_exactly_through_pinned_host(tmp_path, model):
-    """On the GPU (the lead runs it): the whole benchmark at CPU sizes, the
+    """On the GPU (run there): the whole benchmark at CPU sizes, the
     host copies through the GPU's pinned host memory, every round trip exact."""
     out = tmp_path / "rs.json"
     assert bench.main(["--model", model, "--contexts", "256,1024", "--reps", "2",

@@ -122,7 +122,7 @@ def test_plan_rejects_bad_options(capsys):
 
 def test_bench_writes_numbers(capsys, tmp_path):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
-    code, out = run_cli(capsys, "bench", "--plain", "--quick",
+    code, out = run_cli(capsys, "bench", "--plain", "--quick", "--reps", "1", "--batch", "1",
                         "--json", str(out_json), "--plot", str(out_png))
     assert code == 0, out
     data = json.loads(out_json.read_text())
@@ -142,6 +142,23 @@ def test_bench_writes_numbers(capsys, tmp_path):
         assert "no plot" in out
     else:
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_times_the_ops_asked(capsys, tmp_path):
+    """The quick run on two ops, one of each kind of size (rows, decode
+    tokens): the whole run is test_bench_writes_numbers, slow."""
+    out_json = tmp_path / "b.json"
+    code, out = run_cli(capsys, "bench", "--plain", "--quick", "--reps", "1", "--batch", "1",
+                        "--ops", "append,attention", "--rows", "8", "--flush-decode", "2",
+                        "--json", str(out_json), "--plot", str(tmp_path / "b.png"))
+    assert code == 0, out
+    data = json.loads(out_json.read_text())
+    timed = [r for r in data["rows"] if r["op"] != "empty"]
+    assert [(r["op"], r["rows"]) for r in timed] == [("append", 8), ("attention", 2)]
+    for r in timed:
+        assert r["us"] > 0 and r["GBps"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
+        assert re.search(rf"^{r['op']}\s+{r['rows']}\s", out, re.M)
+    assert data["errors"] == {}
 
 
 def test_bench_rejects_bad_options(capsys):

@@ -1,5 +1,5 @@
 """CacheManager under a long random churn of admit / share / release / preempt /
-resume (issue 40, docs/design.md §7), host side: after every operation every
+resume (docs/design.md §7), host side: after every operation every
 block is accounted for (free exactly when no request or prefix holds it, its
 count the number of holders), a step only allocates free blocks, and a step
 writes only blocks its request alone holds."""

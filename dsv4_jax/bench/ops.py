@@ -262,7 +262,7 @@ def bench_attention(b, batches, context, fmt):
     H, k = 64, 512
     inv = jnp.asarray(yarn_inv_freq())
     for B in batches:
-        L = min(inner_layers(B * (C.WINDOW + k)), 16)
+        L = min(inner_layers(B * (C.WINDOW + k) * H // 64), 16)   # rows x heads / 64
         states = _filled_csa(b, L, B, context, fmt)
         slot = jnp.arange(B, dtype=jnp.int32)
         pos = jnp.full((B,), context - 1, jnp.int32)
