@@ -123,6 +123,7 @@ def test_plan_rejects_bad_options(capsys):
 def test_bench_writes_numbers(capsys, tmp_path):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     code, out = run_cli(capsys, "bench", "--plain", "--quick", "--reps", "1", "--batch", "1",
+                        "--rows", "1", "--flush-decode", "2", "--flush-prefill", "16",
                         "--json", str(out_json), "--plot", str(out_png))
     assert code == 0, out
     data = json.loads(out_json.read_text())

@@ -74,6 +74,13 @@ def attention(state, layer: int, q, slot, pos, sink, topk=None, chunk_kv=None, i
     def bump(kind_):
         errors[kind_] = errors.get(kind_, 0) + 1
 
+    if chunk is not None:
+        # per slot, its rows of the call with a position in range, in row
+        # order, and which of them are finite: the same for every query
+        finite = np.all(np.isfinite(chunk.astype(np.float64)), axis=-1)
+        in_range = (pos >= 0) & (pos < ctx)
+        rows_of = {int(v): np.flatnonzero((slot == v) & in_range) for v in np.unique(slot)}
+
     for t in range(T):
         s, p = int(slot[t]), int(pos[t])
         if s == -1:
@@ -90,12 +97,10 @@ def attention(state, layer: int, q, slot, pos, sink, topk=None, chunk_kv=None, i
         rows = []
         p0 = None
         if chunk is not None:
-            mine = [r for r in range(T) if slot[r] == s and 0 <= pos[r] < ctx]
-            p0 = min(int(pos[r]) for r in mine)
-            for r in mine:
-                finite = np.all(np.isfinite(chunk[r].astype(np.float64)))
-                if finite and p - WINDOW < pos[r] <= p:
-                    rows.append(chunk_rows[r])
+            mine = rows_of[s]
+            p0 = int(pos[mine].min())
+            seen = mine[finite[mine] & (pos[mine] > p - WINDOW) & (pos[mine] <= p)]
+            rows += list(chunk_rows[seen])
         for j in range(WINDOW):
             rp = int(ring_pos[s, j])
             if rp >= 0 and p - WINDOW < rp <= p and (p0 is None or rp < p0):
