@@ -25,6 +25,12 @@ SLOW = {
     "test_traced_layer_equals_static_layer[reference]",
     "test_traced_bad_layer_counts_once_and_changes_nothing[reference]",
     "test_bad_tokens_are_dropped_and_counted[reference]",
+    "test_commit_equals_a_cache_fed_only_the_kept_tokens[1-reference]",
+    "test_commit_equals_a_cache_fed_only_the_kept_tokens[4-reference]",
+    "test_commit_equals_a_cache_fed_only_the_kept_tokens[7-reference]",
+    "test_bad_counts_are_counted_once_and_keep_nothing[reference]",
+    "test_rejected_rows_leave_no_count_and_kept_rows_count_as_written[reference]",
+    "test_verify_reads_equal_a_prefill_chunk_of_the_same_tokens[reference]",
     # the largest of its sizes (the others stay)
     "test_select_spread_over_a_cluster[cpu-262144]",
     "test_reference_write_step_temporaries_stay_small[bf16]",

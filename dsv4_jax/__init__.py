@@ -116,6 +116,7 @@ from .request_moves import (OffloadedRequest, admit_on_prefix, export_request, i
 from .request_state import (RequestBlocks, RequestIds, RequestSnapshot, read_blocks,
                             read_request, request_ids, restore, snapshot, write_blocks,
                             write_request)
+from .speculative import VerifyStep, verify_begin, verify_commit, verify_layer
 from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
 
 __all__ = [
@@ -129,5 +130,6 @@ __all__ = [
     "read_blocks", "write_blocks", "read_request", "write_request",
     "OffloadedRequest", "share_prefix", "admit_on_prefix", "offload", "preempt", "resume",
     "export_request", "import_request",
+    "VerifyStep", "verify_begin", "verify_layer", "verify_commit",
 ]
 __version__ = "0.1.0"

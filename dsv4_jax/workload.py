@@ -23,7 +23,9 @@ from .ops.append import append
 from .ops.apply_step import apply_step
 from .ops.flush import flush
 from .ops.gather import gather_all, gather_topk, gather_window
+from .ops.write_layer import write_layer
 from .params import CompressorParams, yarn_inv_freq
+from .speculative import verify_begin, verify_commit, verify_layer
 
 F8 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu
@@ -79,6 +81,40 @@ def write_step(state, meta, inputs, params, impl):
         elif kind == C.HCA:
             state = flush(state, layer, meta, x["ckv"], x["score"], params[layer], impl=impl)
     return state
+
+
+def _compressor(kind, x, p):
+    """(comp_kv, comp_score, params) and the indexer keywords of a layer's
+    inputs, as write_layer and verify_layer take them."""
+    if kind == C.SWA:
+        return (), {}
+    extra = {"index_kv": x["ikv"], "index_score": x["iscore"]} if kind == C.CSA else {}
+    return (x["ckv"], x["score"], p), extra
+
+
+def speculative_step(state, meta, inputs, accepted, params, drafts, impl, read=None):
+    """The cache work of one speculative step (docs/design.md §13):
+    apply_step, the verify pass's writes (verify_begin, verify_layer on every
+    compressed layer), verify_commit with `accepted` (i32[R]), then
+    write_layer of the kept rows on every layer. `read(state, layer, spec,
+    x)`, if given, runs after each layer's verify write and returns (state,
+    outputs): the verify pass's reads. Returns (state, kept StepMeta, {layer:
+    outputs})."""
+    cfg = state.config
+    state = apply_step(state, meta, impl=impl)
+    spec = verify_begin(state, meta, drafts=drafts, impl=impl)
+    outputs = {}
+    for layer, kind in enumerate(cfg.layer_kinds):
+        comp, extra = _compressor(kind, inputs[layer], params.get(layer))
+        state = verify_layer(state, layer, spec, *comp, impl=impl, **extra)
+        if read is not None:
+            state, outputs[layer] = read(state, layer, spec, inputs[layer])
+    state, kept = verify_commit(state, spec, accepted, impl=impl)
+    for layer, kind in enumerate(cfg.layer_kinds):
+        x = inputs[layer]
+        comp, extra = _compressor(kind, x, params.get(layer))
+        state = write_layer(state, layer, kept, x["kv"], *comp, impl=impl, **extra)
+    return state, kept, outputs
 
 
 def read_step(state, meta, queries, impl):

@@ -65,18 +65,24 @@ class Driver:
         before = {r: m.length_of(r) for r in tokens}
         with self.ctx():
             meta = m.prepare_step(tokens, min_tokens=self.min_tokens)
-            T = meta.token_slot.shape[0]
-            inputs = {}
-            for layer, kind in enumerate(self.cfg.layer_kinds):
-                first = self.streams[next(iter(self.streams))][layer]
-                x = {k: np.zeros((T,) + v.shape[1:], v.dtype) for k, v in first.items()}
-                for r, n in tokens.items():
-                    rows = m.token_rows(r)
-                    src = self.streams[self.source[r]][layer]
-                    for k in x:
-                        x[k][rows] = src[k][before[r]:before[r] + n]
-                inputs[layer] = {k: jnp.asarray(v) for k, v in x.items()}
-            self.state = self._step(self.state, meta, inputs)
+            self.state = self._step(self.state, meta, self.inputs(meta, tokens, before))
+
+    def inputs(self, meta, tokens: dict, before: dict) -> dict:
+        """Per layer the projections of the step's rows: request r's rows
+        hold positions before[r] ... before[r] + tokens[r] - 1 of its
+        stream, padding rows zeros."""
+        T = meta.token_slot.shape[0]
+        inputs = {}
+        for layer, kind in enumerate(self.cfg.layer_kinds):
+            first = self.streams[next(iter(self.streams))][layer]
+            x = {k: np.zeros((T,) + v.shape[1:], v.dtype) for k, v in first.items()}
+            for r, n in tokens.items():
+                rows = self.manager.token_rows(r)
+                src = self.streams[self.source[r]][layer]
+                for k in x:
+                    x[k][rows] = src[k][before[r]:before[r] + n]
+            inputs[layer] = {k: jnp.asarray(v) for k, v in x.items()}
+        return inputs
 
     def read(self, rid, seed=0):
         """Everything the cache holds or returns for request `rid`: its
