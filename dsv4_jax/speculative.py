@@ -121,12 +121,6 @@ def _blocks(cfg, block_table, slots, count, first, drafts: int):
     return jnp.concatenate([b0, b1])
 
 
-def _with_slots(meta_data, meta: StepMeta, token_slot):
-    """One shard's packed metadata with its token_slot field replaced."""
-    T = meta.num_tokens
-    return meta_data.at[:T].set(token_slot)
-
-
 # ---- what is copied ---------------------------------------------------------------------------
 def _slot_leaves(st: CacheState):
     """Per-slot leaves verify writes (slot on axis 1): the accumulators."""
@@ -176,8 +170,8 @@ def _begin_body(st: CacheState, meta: StepMeta, drafts: int, impl: str):
     # the verify pass comes after the copy in the program: without that data
     # path XLA would copy every pool the copy reads to keep the read safe.
     data = out[-1]
-    verified = _with_slots(data, meta, jnp.where((rank >= 0) & (rank <= drafts),
-                                                 meta.token_slot, -1))
+    verified = data.at[:meta.num_tokens].set(
+        jnp.where((rank >= 0) & (rank <= drafts), meta.token_slot, -1))
     return ids, tuple(x[None] for x in out[:-1]), verified
 
 

@@ -42,11 +42,12 @@ class Driver:
     """One cache (state + manager) fed from token streams."""
 
     def __init__(self, cfg, manager, state, streams: dict, *, mesh=None, impl="auto",
-                 min_tokens=256, seed=0):
+                 min_tokens=256, seed=0, pads=None):
         self.cfg, self.manager, self.state = cfg, manager, state
         self.streams = streams               # stream name -> stream
         self.source = {}                     # request id -> stream name
         self.mesh, self.impl, self.min_tokens = mesh, impl, min_tokens
+        self.pads = pads or {}               # more prepare_step minimums (fewer shapes)
         self.params = layer_params(cfg, seed=seed)
         self._step = jax.jit(lambda s, m, x: write_step(s, m, x, self.params, impl),
                              donate_argnums=0)
@@ -64,7 +65,7 @@ class Driver:
         m = self.manager
         before = {r: m.length_of(r) for r in tokens}
         with self.ctx():
-            meta = m.prepare_step(tokens, min_tokens=self.min_tokens)
+            meta = m.prepare_step(tokens, min_tokens=self.min_tokens, **self.pads)
             self.state = self._step(self.state, meta, self.inputs(meta, tokens, before))
 
     def inputs(self, meta, tokens: dict, before: dict) -> dict:
