@@ -62,9 +62,12 @@ class VerifyStep:
               1 + drafts rows; every other row padding, slot -1): the
               metadata of the verify pass's writes and reads
     ids       i32[S * M]: per shard, the slots copied (U = min(R, T) of
-              them, -1 padded), then two blocks a slot, then the metadata's
-              words (see `_ids`)
-    rows      the copies, one per copied leaf, each with a leading shard axis
+              them, in increasing order, -1 padded), then two blocks a slot
+              (-1 where none), then 0 .. P-1 (the packed metadata's words,
+              copied with them), M = 3U + P
+    rows      the copies: the accumulators of the copied slots (csa.comp,
+              csa.icomp, hca.comp), then the copied blocks' rows of every
+              pool leaf, each with a leading shard axis
     drafts    the most drafts a request has in the step (static)"""
     meta: StepMeta
     verified: StepMeta
