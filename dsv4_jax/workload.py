@@ -83,7 +83,7 @@ def write_step(state, meta, inputs, params, impl):
     return state
 
 
-def _compressor(kind, x, p):
+def compressor_operands(kind, x, p):
     """(comp_kv, comp_score, params) and the indexer keywords of a layer's
     inputs, as write_layer and verify_layer take them."""
     if kind == C.SWA:
@@ -105,14 +105,14 @@ def speculative_step(state, meta, inputs, accepted, params, drafts, impl, read=N
     spec = verify_begin(state, meta, drafts=drafts, impl=impl)
     outputs = {}
     for layer, kind in enumerate(cfg.layer_kinds):
-        comp, extra = _compressor(kind, inputs[layer], params.get(layer))
+        comp, extra = compressor_operands(kind, inputs[layer], params.get(layer))
         state = verify_layer(state, layer, spec, *comp, impl=impl, **extra)
         if read is not None:
             state, outputs[layer] = read(state, layer, spec, inputs[layer])
     state, kept = verify_commit(state, spec, accepted, impl=impl)
     for layer, kind in enumerate(cfg.layer_kinds):
         x = inputs[layer]
-        comp, extra = _compressor(kind, x, params.get(layer))
+        comp, extra = compressor_operands(kind, x, params.get(layer))
         state = write_layer(state, layer, kept, x["kv"], *comp, impl=impl, **extra)
     return state, kept, outputs
 

@@ -218,11 +218,11 @@ def test_verify_reads_equal_a_prefill_chunk_of_the_same_tokens(impl):
     step_both(x, chunk, pairs, [126, 61, 200])
 
     def chunk_step(state, meta, inputs):
-        from dsv4_jax.workload import _compressor
+        from dsv4_jax.workload import compressor_operands
         state = dj.apply_step(state, meta, impl=impl)
         outs = {}
         for layer, kind in enumerate(cfg.layer_kinds):
-            comp, extra = _compressor(kind, inputs[layer], chunk.params.get(layer))
+            comp, extra = compressor_operands(kind, inputs[layer], chunk.params.get(layer))
             if comp:
                 state = dj.flush(state, layer, meta, *comp, impl=impl, **extra)
             state, outs[layer] = _reads(state, layer, meta.token_slot, meta.token_pos,
