@@ -178,3 +178,25 @@ def test_sharded_manager_commits_every_shard_or_none():
     out = m.commit_speculative({a: 2, b: 0})
     assert [m.length_of(a), m.length_of(b)] == [129, 128]
     assert len(m.blocks_of(b)) == 1 and out.tolist() == [2, 0, 0, 0]
+
+
+def test_process_manager_commits_its_own_shards():
+    import jax
+    from dsv4_jax.multiprocess import ProcessCacheManager
+    from dsv4_jax.sharding import shard_config
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("data",))
+    cfg = shard_config(CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=16), mesh,
+                       "data")
+    m = ProcessCacheManager(cfg, mesh)
+    a, b = m.admit(shard=0), m.admit(shard=1)
+    m.prepare_step({a: 127, b: 10}, sizes=(256, 2, 2))
+    m.prepare_step({a: 3, b: 3}, sizes=(8, 2, 2))
+    with pytest.raises(KeyError):
+        m.commit_speculative({a: 1, b: 1, "elsewhere": 1})
+    assert m.length_of(a) == 130
+    out = m.commit_speculative({a: 1, b: 3})
+    assert [m.length_of(a), m.length_of(b)] == [128, 13] and out.tolist() == [1, 0, 3, 0]
+    assert len(m.managers[0].blocks_of(a)) == 1
