@@ -15,6 +15,7 @@ from dsv4_jax.errors import ErrorKind
 from dsv4_jax.sharding import ShardedCacheManager, init_sharded_state, shard_config
 from support.marks import CUDA, requires_cpu_ffi
 from support.speculative import SpecDriver, assert_same_cache
+from support.sharding import data_mesh
 from support.streams import Driver, stream
 
 IMPLS = ["reference", pytest.param("cpu", marks=requires_cpu_ffi),
@@ -97,10 +98,7 @@ def test_requests_with_fewer_drafts_than_the_bound(impl="cpu"):
 
 
 def test_sharded_commit_equals_the_sharded_twin():
-    devices = jax.devices()
-    if len(devices) < 4:
-        pytest.skip("needs 4 devices")
-    mesh = jax.sharding.Mesh(np.array(devices[:4]), ("data",))
+    mesh = data_mesh(4)
     cfg = dj.CacheConfig.tiny(max_requests=8, max_context=512, num_blocks=32)
     streams = {i: stream(cfg, 512, seed=60 + i) for i in range(6)}
     x, y = drivers(cfg, streams, 3, "auto", mesh=mesh)
