@@ -523,7 +523,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     Consume(a, shared, splits, split, t, h0, tid < 256 ? 0 : 1);
     if (splits > 1) RegsDown<kLaunchRegs>();
   }
-  LetNextStart();                              // the next kernel's prologue may start
+  // No LetNextStart: a dependent kernel's CTAs would take the SMs this one
+  // leaves and wait on them, which overlaps nothing at one CTA an SM.
   if (splits > 1) AttnFinish(a, shared.part, splits, t, h0);
 }
 
