@@ -1,11 +1,15 @@
 // CUDA handler of attention (operands in ffi/attention.h, rules in
-// docs/design.md §6 and dsv4_jax/ops/attention.py). On Hopper (sm_90) the
-// tensor-core kernel (attention_wgmma.cuh), its split partials merged by
-// attention_combine.cuh; elsewhere the CUDA-core kernel (attention_simt.cuh),
-// which ignores the workspace.
+// docs/design.md §6 and dsv4_jax/ops/attention.py). A prefill call first
+// encodes its chunk rows once (attention_chunk.cuh). On Hopper (sm_90) the
+// tensor-core kernel (attention_wgmma.cuh) runs with each token's items split
+// over a cluster of CTAs that merge in distributed shared memory
+// (attention_finish.cuh); elsewhere the CUDA-core kernel (attention_simt.cuh).
 #include <cuda_runtime.h>
 
-#include "attention_combine.cuh"
+#include <algorithm>
+#include <atomic>
+
+#include "attention_chunk.cuh"
 #include "attention_simt.cuh"
 #include "attention_wgmma.cuh"
 #include "handlers_cuda.h"
@@ -14,25 +18,60 @@
 namespace dsv4 {
 namespace {
 
-ffi::Error LaunchTensorCores(const AttentionArgs& a, cudaStream_t stream) {
-  namespace tc = cuda::tc;
-  const cudaError_t e =
-      cuda::AllowDynamicShared<tc::AttentionWgmmaKernel>(static_cast<int>(tc::kSharedBytes));
-  if (e != cudaSuccess)
-    return ffi::Error::Internal(std::string("attention: shared memory: ") + cudaGetErrorString(e));
-  const int splits = static_cast<int>(a.splits);
-  dim3 grid(static_cast<unsigned>(a.T > 0 ? a.T : 1),
-            static_cast<unsigned>((a.H + tc::kHeads - 1) / tc::kHeads),
-            static_cast<unsigned>(splits));
-  tc::AttentionWgmmaKernel<<<grid, tc::kThreads, tc::kSharedBytes, stream>>>(a, a.workspace,
-                                                                            splits);
-  if (splits > 1 && a.T > 0) {
-    const int64_t rows = a.T * a.H;
-    const unsigned blocks = static_cast<unsigned>((rows + tc::kCombineWarps - 1) / tc::kCombineWarps);
-    tc::AttentionCombineKernel<<<blocks, tc::kCombineWarps * 32, 0, stream>>>(a, a.workspace,
-                                                                             splits);
+namespace tc = cuda::tc;
+
+// Candidate items of one query (attention_items.cuh AttnCandidates at its
+// largest): the window, the chunk's rows, the CSA picks or the HCA entries.
+int64_t MaxCandidates(const AttentionArgs& a) {
+  const int64_t extra = a.kind == kAttnCsa ? a.K : a.kind == kAttnHca ? a.MB : 0;
+  return kWindow + (a.has_chunk ? a.T : 0) + extra;
+}
+
+// Clusters of `splits` tensor-core CTAs the device holds at once (cached per
+// device; 0: that cluster size cannot run).
+int ActiveClusters(int splits) {
+  static std::atomic<int> cache[64][tc::kMaxSplits + 1];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  int n = cache[dev][splits].load(std::memory_order_relaxed);
+  if (n == 0) {
+    n = cuda::MaxActiveClusters(tc::AttentionWgmmaKernel, tc::kThreads, tc::kSharedBytes,
+                                static_cast<unsigned>(splits));
+    cache[dev][splits].store(n > 0 ? n : -1, std::memory_order_relaxed);
   }
-  return cuda::LaunchStatus("attention");
+  return n > 0 ? n : 0;
+}
+
+// How many CTAs (one cluster) share each (token, head group)'s items: as many
+// as keep the whole grid in one wave of the device (its multiprocessors and
+// the clusters it can hold at once), never more than the 64-row tiles a
+// token has, so the splits' partials are merged on chip.
+int SplitsFor(const AttentionArgs& a) {
+  const int64_t groups = a.T * ((a.H + tc::kHeads - 1) / tc::kHeads);
+  if (groups <= 0) return 1;
+  const int64_t tiles = (MaxCandidates(a) + tc::kTileRows - 1) / tc::kTileRows;
+  int64_t want = std::min<int64_t>({tiles, tc::kMaxSplits, cuda::SmCount() / groups});
+  for (int s = static_cast<int>(want); s >= 2; --s)
+    if (ActiveClusters(s) >= groups) return s;
+  return 1;
+}
+
+ffi::Error LaunchTensorCores(const AttentionArgs& a, cudaStream_t stream) {
+  cudaError_t e =
+      cuda::AllowDynamicShared<tc::AttentionWgmmaKernel>(static_cast<int>(tc::kSharedBytes));
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(tc::AttentionWgmmaKernel,
+                             cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("attention: kernel attributes: ") +
+                                cudaGetErrorString(e));
+  const int splits = SplitsFor(a);
+  const dim3 grid(static_cast<unsigned>((a.T > 0 ? a.T : 1) * splits),
+                  static_cast<unsigned>((a.H + tc::kHeads - 1) / tc::kHeads));
+  return cuda::LaunchResult(
+      cuda::LaunchOverlapped(tc::AttentionWgmmaKernel, grid, dim3(tc::kThreads),
+                             tc::kSharedBytes, static_cast<unsigned>(splits), stream, a, splits),
+      "attention");
 }
 
 ffi::Error AttentionImpl(cudaStream_t stream, int64_t kv_format, int64_t kind,
@@ -43,12 +82,24 @@ ffi::Error AttentionImpl(cudaStream_t stream, int64_t kv_format, int64_t kind,
                          ffi::AnyBuffer errors_in, ffi::RemainingArgs entry_args,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                          ffi::Result<ffi::AnyBuffer> errors,
-                         ffi::Result<ffi::AnyBuffer> workspace) {
+                         ffi::Result<ffi::AnyBuffer> scratch) {
   AttentionArgs a;
   DSV4_RETURN_IF_ERROR(ValidateAttention(kv_format, kind, layer, comp_layer, q, token_slot,
                                          token_pos, topk, chunk_kv, sink, inv_freq, block_table,
                                          swa_pos, errors_in, entry_args, *out, *lse, *errors,
-                                         *workspace, &a));
+                                         *scratch, &a));
+  if (a.has_chunk) {
+    if (!AttnBindChunkScratch(&a))
+      return ffi::Error::InvalidArgument(
+          "scratch (result): a prefill chunk of " + std::to_string(a.T) + " rows needs " +
+          std::to_string(a.T * kAttnChunkScratchRow) + " bytes, got " +
+          std::to_string(a.scratch_bytes));
+    const unsigned blocks = cuda::GridFor(a.T, 8, 4);
+    DSV4_RETURN_IF_ERROR(cuda::LaunchResult(
+        cuda::LaunchOverlapped(cuda::AttentionChunkEncodeKernel, dim3(blocks), dim3(256), 0, 1,
+                               stream, a),
+        "attention (chunk encoding)"));
+  }
   if (cuda::ComputeMajor() == 9) return LaunchTensorCores(a, stream);
   cuda::simt::LaunchAttentionSimt(a, stream);
   return cuda::LaunchStatus("attention");

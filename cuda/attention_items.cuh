@@ -127,7 +127,8 @@ __device__ __forceinline__ int64_t AttnCandidates(const AttentionArgs& a, int64_
 // Whether item `it` of token t = (s, p) is seen; sets its source and entry
 // (or chunk row), and counts a bad CSA index or a missing block when
 // `counts` (one block per item counts). `check_chunk_row` false leaves the
-// finiteness of a chunk row to the caller.
+// finiteness of a chunk row to the caller; true reads the encoding pass's
+// flag when there is one (a.chunk_finite), else scans the row.
 __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l, int64_t lk,
                                                int64_t t, int64_t s, int64_t p,
                                                int64_t first_pos, int64_t it, bool counts,
@@ -145,7 +146,9 @@ __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l
     if (it < a.T) {
       const int64_t rs = __ldg(a.slot + it), rp = __ldg(a.pos + it);
       if (rs != s || !QueryPositionOk(rp, a.MB) || !WindowSees(rp, p)) return false;
-      if (check_chunk_row && !RowFinite(a.chunk_kv + it * kHeadDim)) return false;
+      if (check_chunk_row && !(a.chunk_finite != nullptr ? __ldg(a.chunk_finite + it) != 0
+                                                        : RowFinite(a.chunk_kv + it * kHeadDim)))
+        return false;
       *e = it;
       *src = kFromChunk;
       return true;

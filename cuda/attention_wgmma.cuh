@@ -1,6 +1,8 @@
 // The attention kernel on Hopper's tensor cores (sm_90a, wgmma). One CTA per
-// (query token, 64 heads, split of the token's candidate items), three
-// warpgroups:
+// (query token, 64 heads, split of the token's candidate items); the splits
+// of a token form one thread-block cluster and merge their partials through
+// distributed shared memory at the end (attention_finish.cuh), so no partial
+// leaves the SMs and no second kernel runs. Three warpgroups:
 //  - the producer decides the split's items 128 at a time (attention_items.cuh,
 //    counting bad indices and missing blocks once), compacts the seen ones in
 //    item order into tiles of 64 rows and fetches each tile's raw fp8 rows
@@ -9,21 +11,22 @@
 //    registers, so its 72 registers suffice.
 //  - the two consumer warpgroups (8 warps) dequantize a staged tile to bf16
 //    into the 128-byte-swizzled layout wgmma reads (bf16 pools are read from
-//    global memory here; a prefill chunk row is encoded as append stores it,
-//    a non-finite one zeroed and masked), then each runs S = Q.K^T over the
-//    whole tile (64 heads x 64 rows, K-dim 512, both redundantly: no exchange
-//    between them) and the online softmax, then O += P.V for its half of the
-//    512 output channels (P rounded to bf16 in registers, the design's step 4).
+//    global memory here; a prefill chunk's rows come encoded as append
+//    stores them by AttentionChunkEncodeKernel, non-finite ones unseen). Consumer c then computes S for its
+//    half of the tile's rows (64 heads x 32 rows, K-dim 512), so S is computed
+//    once; the halves exchange their row maxima through shared memory, each
+//    writes its bf16 weights (the design's step 4) into the shared P tile,
+//    and each runs O += P.V for its half of the 512 output channels with both
+//    operands in shared memory. The softmax runs in log2 units (exp2 on the
+//    SFU); attention is tolerance-checked, not bit-exact (design §6).
 // Raw buffers are handed over by named barriers (full / empty per buffer);
-// the consumers share one bf16 tile between two barriers of their own. With
-// one split the consumers write the final bf16 rows and lse; with several
-// they write unnormalized fp32 partials (O, running max, denominator) to the
-// workspace and attention_combine.cuh merges them. Rules: docs/design.md §6;
-// budget and designs tried: docs/perf/attention.md.
+// the consumers share the bf16 tile and P between barriers of their own.
+// Rules: docs/design.md §6; budget and designs tried: docs/perf/attention.md.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include "attention_finish.cuh"
 #include "attention_items.cuh"
 #include "cp_async.cuh"
 #include "wgmma.cuh"
@@ -33,41 +36,55 @@ namespace cuda {
 namespace tc {
 
 constexpr int kThreads = 384;      // producer warpgroup + two consumer warpgroups
-constexpr int kHeads = 64;         // heads a CTA computes: wgmma's M
+constexpr int kHeads = kAttnHeads;  // heads a CTA computes: wgmma's M
 constexpr int kTileRows = 64;      // rows a tile: S's N, P.V's K
+constexpr int kHalfRows = kTileRows / 2;   // S columns a consumer computes
 constexpr int kRound = 128;        // items the producer decides at a time
 constexpr int kListCap = kTileRows + kRound;
-constexpr int kBatch = 2;          // bf16 pools: rows a producer warp has in flight
+constexpr int kBatch = 2;          // bf16 pools: rows a consumer warp has in flight
 constexpr int kRawRow = kNopeDim + 2 * kRopeDim;   // staged fp8 row: codes, then bf16 RoPE
 constexpr int kRawChunks = kRawRow / 16;           // its 16-byte copies
+constexpr int kMaxSplits = 16;     // a cluster's CTAs (16 needs the non-portable size)
 // setmaxnreg moves registers from the producer to the consumers within what
 // the launch gave the CTA (384 x 168): 128 x 72 + 256 x 216 = 384 x 168. An
 // increase past it would wait forever; below 216 a consumer's wgmma
 // accumulators do not fit and ptxas serializes the wgmmas (warning C7512).
 constexpr int kProducerRegs = 72;
 constexpr int kConsumerRegs = 216;
+constexpr int kLaunchRegs = 168;
 
 // Named barriers (0 is __syncthreads).
 // Raw buffer b: kRawFull + b (fetched, producer -> consumers), kRawEmpty + b
 // (dequantized, consumers -> producer); kConsumerSync: the two consumer
-// warpgroups around their shared bf16 tile.
-enum Barrier : int { kProducerSync = 1, kRawFull = 2, kRawEmpty = 4, kConsumerSync = 6 };
+// warpgroups around their shared bf16 tile; kExchange: their row maxima, then
+// their halves of P.
+enum Barrier : int { kProducerSync = 1, kRawFull = 2, kRawEmpty = 4, kConsumerSync = 6,
+                     kExchange = 7 };
 
-struct Shared {
+// The shared memory of the main loop; the finish reuses its first bytes for
+// the partial (AttnPartial, attention_finish.cuh) once the loop is over.
+struct LoopShared {
   uint8_t q[8 * wgmma::kSlabBytes];            // the CTA's 64 heads, slabs
   uint8_t tile[8 * wgmma::kSlabBytes];          // the bf16 tile of the consumers
   uint8_t raw[2][kTileRows * kRawRow];          // fp8 rows fetched for the next tiles
+  uint8_t p[wgmma::kSlabBytes];                 // P: 64 heads x 64 tile rows, bf16
   uint32_t raw_scale[2][kTileRows][4];          // words holding a row's scales
   int64_t raw_e[2][kTileRows];                  // each staged row's entry or chunk row
   uint8_t raw_src[2][kTileRows];
+  uint8_t raw_soff[2][kTileRows];               // first scale byte in raw_scale's words
   int raw_n[2];                                 // rows staged; -1: the end
   int64_t list[kListCap];                       // seen items not yet staged
   uint8_t list_src[kListCap];
-  uint64_t valid;                               // bit r: tile row r seen
-  ChunkScratch<8> scratch;                      // one pool per consumer warp
+  float row_max[2][kHeads];                     // each consumer's tile maxima (log2 units)
   int warp_count[4];
   int first_pos;
 };
+union Shared {
+  LoopShared loop;
+  AttnPartial part;
+};
+static_assert(sizeof(AttnPartial) <= offsetof(LoopShared, p),
+              "the partial overlays q, tile and the raw buffers only");
 // wgmma's swizzle works on absolute shared addresses: 1024-byte alignment.
 constexpr size_t kSharedBytes = sizeof(Shared) + 1024;
 
@@ -90,77 +107,35 @@ __device__ __forceinline__ void RegsUp() {
 #endif
 }
 
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  return static_cast<uint32_t>(num::F32ToBf16(lo)) |
-         (static_cast<uint32_t>(num::F32ToBf16(hi)) << 16);
+// The pool a staged row comes from: the ring, the prefill chunk's rows as
+// the encoding pass stored them (AttentionChunkEncodeKernel), or the paged
+// pool; and its entries.
+__device__ __forceinline__ const EntryPool& SourcePool(const AttentionArgs& a, uint8_t src) {
+  return src == kFromRing ? a.ring : src == kFromChunk ? a.chunk : a.pool;
 }
-
-// Workspace row of (split, token, head): f32[splits, T, heads padded to 64, 516].
-template <typename F>   // float or const float
-__device__ __forceinline__ F* WsRow(F* ws, const AttentionArgs& a, int split, int64_t t,
-                                    int64_t h) {
-  const int64_t hp = (a.H + kHeads - 1) / kHeads * kHeads;
-  return ws + ((split * a.T + t) * hp + h) * kAttnWorkspaceRow;
-}
-
-// A dropped token's rows: out 0, lse -inf (or, split, an empty partial).
-__device__ void WriteDropped(const AttentionArgs& a, float* ws, int splits, int split, int64_t t,
-                             int64_t h0) {
-  const int tid = threadIdx.x;
-  if (splits == 1) {
-    for (int i = tid; i < kHeads * kChunks; i += kThreads) {
-      const int64_t h = h0 + i / kChunks;
-      if (h < a.H)
-        reinterpret_cast<uint4*>(a.out + (t * a.H + h) * kHeadDim)[i % kChunks] =
-            make_uint4(0, 0, 0, 0);
-    }
-    for (int i = tid; i < kHeads; i += kThreads)
-      if (h0 + i < a.H) a.lse[t * a.H + h0 + i] = -INFINITY;
-  } else {
-    for (int i = tid; i < kHeads; i += kThreads) {
-      float* w = WsRow(ws, a, split, t, h0 + i);
-      w[kHeadDim] = -INFINITY;
-      w[kHeadDim + 1] = 0.f;
-    }
-  }
-}
-
-// A chunk row encoded as append stores it and decoded to the lane's two
-// chunks; false (and zeros) for a row with a NaN or Inf, which no query sees.
-__device__ bool StageChunkRow(const AttentionArgs& a, Shared& sm, int warp, int64_t r, uint4* lo,
-                              uint4* hi) {
-  uint4 ulo, uhi;
-  LoadChunkRow(a, r, &ulo, &uhi);
-  if (!__all_sync(kFull, Bf16x8Finite(ulo) && Bf16x8Finite(uhi))) {
-    *lo = *hi = make_uint4(0, 0, 0, 0);
-    return false;
-  }
-  WarpChunkRowAsStored(sm.scratch.Pool(a.ring.fmt, warp), ulo, uhi, lo, hi);
-  return true;
-}
-
-// Entries in the pool a staged row comes from.
 __device__ __forceinline__ int64_t PoolEntries(const AttentionArgs& a, uint8_t src) {
-  return src == kFromRing ? a.L * a.R * kWindow : a.Lk * a.N * a.per_block;
+  return src == kFromRing ? a.L * a.R * kWindow : src == kFromChunk ? a.T : a.Lk * a.N * a.per_block;
 }
 
 // Starts fetching list rows 0..n-1 into staging buffer rb (fp8 pools: codes,
-// RoPE and the words holding the scales; bf16 pools and chunk rows are read
-// when the tile is dequantized) and records what each row is. One cp.async
+// RoPE and the words holding the scales; bf16 rows are read when the tile is
+// dequantized) and records what each row is. One cp.async
 // group per thread.
-__device__ void FetchRaw(const AttentionArgs& a, Shared& sm, int rb, int n) {
+__device__ void FetchRaw(const AttentionArgs& a, LoopShared& sm, int rb, int n) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int r = tid; r < n; r += 128) {
-    sm.raw_e[rb][r] = sm.list[r];
+    const int64_t e = sm.list[r];
+    sm.raw_e[rb][r] = e;
     sm.raw_src[rb][r] = sm.list_src[r];
+    // entry e's 7 scale bytes start at byte 7e, (3 (e mod 4)) mod 4 into its first word
+    sm.raw_soff[rb][r] = static_cast<uint8_t>((3 * static_cast<int>(e & 3)) & 3);
   }
   if (tid == 0) sm.raw_n[rb] = n;
   const int fmt = a.ring.fmt;
   if (fmt != kBf16) {
     for (int r = warp; r < n; r += 4) {
       const uint8_t src = sm.list_src[r];
-      if (src == kFromChunk) continue;
-      const EntryPool& pool = src == kFromRing ? a.ring : a.pool;
+      const EntryPool& pool = SourcePool(a, src);
       const int64_t e = sm.list[r];
       uint8_t* dst = sm.raw[rb] + r * kRawRow;
       for (int c = lane; c < kRawChunks; c += 32) {
@@ -186,7 +161,7 @@ __device__ void FetchRaw(const AttentionArgs& a, Shared& sm, int rb, int n) {
 
 // A staged fp8 row as the lane's EntryRegs (what WarpLoadEntry reads from
 // the pool).
-__device__ __forceinline__ EntryRegs StagedEntry(const Shared& sm, int fmt, int rb, int r) {
+__device__ __forceinline__ EntryRegs StagedEntry(const LoopShared& sm, int fmt, int rb, int r) {
   const int lane = threadIdx.x & 31, jhi = lane + 32;
   const uint8_t* raw = sm.raw[rb] + r * kRawRow;
   EntryRegs x;
@@ -200,7 +175,7 @@ __device__ __forceinline__ EntryRegs StagedEntry(const Shared& sm, int fmt, int 
   }
   if (fmt == kDsFp8) {
     const uint8_t* sc = reinterpret_cast<const uint8_t*>(sm.raw_scale[rb][r]) +
-                        sm.raw_e[rb][r] * kNopeTiles % 4;
+                        sm.raw_soff[rb][r];
     x.slo = num::E8m0ToF32(sc[lane >> 3]);
     x.shi = jhi < kNopeChunks ? num::E8m0ToF32(sc[jhi >> 3]) : 1.f;
   } else {
@@ -209,11 +184,35 @@ __device__ __forceinline__ EntryRegs StagedEntry(const Shared& sm, int fmt, int 
   return x;
 }
 
+// 8 e4m3 codes times s as 8 bf16 (e4m3 -> f16 is exact, one fp32 multiply,
+// the pair rounded to bf16 by one instruction). Unlike the gathers' DequantChunk
+// it does not route NaN codes through the host's scalar rules: attention is
+// tolerance-checked, and a NaN code gives a NaN here too.
+__device__ __forceinline__ uint4 DequantChunkFast(uint32_t c0, uint32_t c1, float s) {
+  const uint32_t c[2] = {c0, c1};
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(c[i >> 1] >> (16 * (i & 1))), __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    w[i] = PackBf16x2Rn(f.x * s, f.y * s);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// A staged fp8 row's two chunks of the lane, decoded (RoPE chunks as stored).
+__device__ __forceinline__ void StoreStagedChunks(const EntryRegs& x, uint4* lo, uint4* hi) {
+  const int jhi = (threadIdx.x & 31) + 32;
+  *lo = DequantChunkFast(x.lo.x, x.lo.y, x.slo);
+  *hi = jhi < kNopeChunks ? DequantChunkFast(x.hi.x, x.hi.y, x.shi) : x.hi;
+}
+
 // Consumers: dequantizes raw buffer rb (n rows) into the bf16 tile, 8 warps
 // of both consumer warpgroups, rows past n zero (a masked row must hold
-// finite values: its zero weight times NaN is NaN); clears the valid bit of a
-// non-finite chunk row. `cw`: the consumer warp, 0..7.
-__device__ void DequantTile(const AttentionArgs& a, Shared& sm, int rb, int n, int cw) {
+// finite values: its zero weight times NaN is NaN). `cw`: the consumer warp,
+// 0..7.
+__device__ void DequantTile(const AttentionArgs& a, LoopShared& sm, int rb, int n, int cw) {
   const int lane = threadIdx.x & 31, fmt = a.ring.fmt;
   auto chunks = [&](int r, uint4** lo, uint4** hi) {
     *lo = reinterpret_cast<uint4*>(sm.tile + wgmma::ChunkOffset(r, lane));
@@ -224,8 +223,7 @@ __device__ void DequantTile(const AttentionArgs& a, Shared& sm, int rb, int n, i
       uint4 *lo, *hi;
       chunks(r, &lo, &hi);
       if (r >= n) *lo = *hi = make_uint4(0, 0, 0, 0);
-      else if (sm.raw_src[rb][r] != kFromChunk)
-        WarpStoreEntryChunks(fmt, StagedEntry(sm, fmt, rb, r), lo, hi);
+      else StoreStagedChunks(StagedEntry(sm, fmt, rb, r), lo, hi);
     }
   } else {
     for (int r0 = cw; r0 < kTileRows; r0 += 8 * kBatch) {
@@ -233,8 +231,7 @@ __device__ void DequantTile(const AttentionArgs& a, Shared& sm, int rb, int n, i
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
         const int r = r0 + 8 * k;
-        if (r < n && sm.raw_src[rb][r] != kFromChunk)
-          x[k] = WarpLoadEntry(sm.raw_src[rb][r] == kFromRing ? a.ring : a.pool, sm.raw_e[rb][r]);
+        if (r < n) x[k] = WarpLoadEntry(SourcePool(a, sm.raw_src[rb][r]), sm.raw_e[rb][r]);
       }
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
@@ -242,17 +239,8 @@ __device__ void DequantTile(const AttentionArgs& a, Shared& sm, int rb, int n, i
         uint4 *lo, *hi;
         chunks(r, &lo, &hi);
         if (r >= n) *lo = *hi = make_uint4(0, 0, 0, 0);
-        else if (sm.raw_src[rb][r] != kFromChunk) WarpStoreEntryChunks(fmt, x[k], lo, hi);
+        else WarpStoreEntryChunks(fmt, x[k], lo, hi);
       }
-    }
-  }
-  if (a.has_chunk) {
-    for (int r = cw; r < n; r += 8) {
-      if (sm.raw_src[rb][r] != kFromChunk) continue;
-      uint4 *lo, *hi;
-      chunks(r, &lo, &hi);
-      if (!StageChunkRow(a, sm, cw, sm.raw_e[rb][r], lo, hi) && lane == 0)
-        atomicAnd(reinterpret_cast<unsigned long long*>(&sm.valid), ~(1ull << r));
     }
   }
 }
@@ -261,7 +249,7 @@ __device__ void DequantTile(const AttentionArgs& a, Shared& sm, int rb, int n, i
 // tile's rows into a raw buffer, handing a buffer to the consumers once its
 // copies have landed (while the next tile's are in flight); then the end
 // marker.
-__device__ void Produce(const AttentionArgs& a, Shared& sm, int64_t l, int64_t lk, int64_t t,
+__device__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l, int64_t lk, int64_t t,
                         int64_t s, int64_t p, int64_t first_pos, int64_t c0, int64_t c1,
                         bool counts) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -298,7 +286,7 @@ __device__ void Produce(const AttentionArgs& a, Shared& sm, int64_t l, int64_t l
     int64_t e = 0;
     const int64_t it = base + tid;
     const bool seen =
-        it < c1 && AttnDecideItem(a, l, lk, t, s, p, first_pos, it, counts, false, &src, &e);
+        it < c1 && AttnDecideItem(a, l, lk, t, s, p, first_pos, it, counts, true, &src, &e);
     const unsigned ballot = __ballot_sync(kFull, seen);
     if (lane == 0) sm.warp_count[warp] = __popc(ballot);
     BarSync(kProducerSync, 128);
@@ -327,22 +315,27 @@ __device__ void Produce(const AttentionArgs& a, Shared& sm, int64_t l, int64_t l
   if (tiles >= 1) BarSync(kRawEmpty + ((tiles - 1) & 1), kThreads);
 }
 
-// A consumer warpgroup (c = 0, 1: output channels 256c .. 256c + 255). Thread
-// layout of the m64nNk16 fragments: warp w, lane L own head rows
-// 16w + L/4 and 16w + L/4 + 8, columns 8j + 2(L % 4) + {0, 1}.
-__device__ void Consume(const AttentionArgs& a, Shared& sm, float* ws, int splits, int split,
-                        int64_t t, int64_t h0, int64_t p, int c) {
+// A consumer warpgroup (c = 0, 1: S columns 32c .. 32c + 31 of each tile,
+// output channels 256c .. 256c + 255). Thread layout of the m64nNk16
+// fragments: warp w, lane L own head rows 16w + L/4 and 16w + L/4 + 8,
+// columns 8j + 2(L % 4) + {0, 1}. With one split it writes the finished rows;
+// with several it leaves the CTA's partial in shared.part for AttnFinish.
+__device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int split, int64_t t,
+                        int64_t h0, int c) {
+  LoopShared& sm = shared.loop;
   const int tid = threadIdx.x - 128 * (c + 1);
   const int warp = tid >> 5, lane = tid & 31, quad = lane & 3;
   const int row0 = 16 * warp + (lane >> 2);
+  // logits in log2 units: s * 512^-0.5 * log2(e), exponentiated by exp2
+  const float scale2 = AttnScale() * kLog2e;
   float m[2], den[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int64_t h = h0 + row0 + 8 * i;
-    // the sink joins the softmax once: in split 0, on one lane of the row
-    const float sink = split == 0 && h < a.H ? __ldg(a.sink + h) : -INFINITY;
+    // the sink joins the softmax once: in split 0, on one lane of consumer 0
+    const float sink = split == 0 && h < a.H ? __ldg(a.sink + h) * kLog2e : -INFINITY;
     m[i] = sink;
-    den[i] = sink == -INFINITY || quad != 0 ? 0.f : 1.f;
+    den[i] = sink == -INFINITY || quad != 0 || c != 0 ? 0.f : 1.f;
   }
   float o[128];
 #pragma unroll
@@ -351,112 +344,133 @@ __device__ void Consume(const AttentionArgs& a, Shared& sm, float* ws, int split
   for (int it = 0;; ++it) {
     const int rb = it & 1;
     BarSync(kRawFull + rb, kThreads);
+    wgmma::WaitAll();                           // the last tile's P.V (overlapped the wait)
     const int n = *reinterpret_cast<volatile int*>(&sm.raw_n[rb]);
     if (n < 0) break;
-    if (threadIdx.x == 128) sm.valid = n >= 64 ? ~0ull : (1ull << n) - 1ull;
-    BarSync(kConsumerSync, 256);                // both done with the tile before; valid set
+    BarSync(kConsumerSync, 256);                // both done with the tile before
     DequantTile(a, sm, rb, n, cw);
     wgmma::FenceSharedForAsync();
     BarArrive(kRawEmpty + rb, kThreads);        // the raw buffer may be refilled
     BarSync(kConsumerSync, 256);                // the whole tile is written
-    const uint64_t valid = *reinterpret_cast<volatile uint64_t*>(&sm.valid);
-    const uint8_t* tile = sm.tile;
-    float sc[32];
+    const uint64_t valid = n >= 64 ? ~0ull : (1ull << n) - 1ull;   // bit r: tile row r seen
+    float sc[16];
     wgmma::Fence();
 #pragma unroll
     for (int k = 0; k < 32; ++k)
-      wgmma::MmaSS64(sc, wgmma::KMajor(sm.q, k), wgmma::KMajor(tile, k), k > 0);
+      wgmma::MmaSS32(sc, wgmma::KMajor(sm.q, k),
+                     wgmma::KMajor(sm.tile + kHalfRows * 128 * c, k), k > 0);
     wgmma::Commit();
     wgmma::WaitAll();
-    // S's fragment: element k is head row row0 + 8 ((k >> 1) & 1), tile row
-    // (column) 8 (k >> 2) + 2 quad + (k & 1).
+    // element k: head row row0 + 8 ((k >> 1) & 1), tile row 32c + 8 (k >> 2) + 2 quad + (k & 1)
+    const uint32_t vbits = static_cast<uint32_t>(valid >> (kHalfRows * c)) >> (2 * quad);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      const int i = (k >> 1) & 1, col = 8 * (k >> 2) + 2 * quad + (k & 1);
-      sc[k] = (valid >> col) & 1ull ? sc[k] * AttnScale() : -INFINITY;
+    for (int k = 0; k < 16; ++k) {
+      const int i = (k >> 1) & 1, col = 8 * (k >> 2) + (k & 1);
+      sc[k] = (vbits >> col) & 1u ? sc[k] * scale2 : -INFINITY;
       mx[i] = fmaxf(mx[i], sc[k]);
     }
-    float rescale[2], sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
-      const float m_new = fmaxf(m[i], mx[i]);
-      rescale[i] = m_new == m[i] ? 1.f : expf(m[i] - m_new);
+    }
+    if (quad == 0) {
+      sm.row_max[c][row0] = mx[0];
+      sm.row_max[c][row0 + 8] = mx[1];
+    }
+    BarSync(kExchange, 256);                    // both halves' maxima
+    float rescale[2], mu[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float other = sm.row_max[1 - c][row0 + 8 * i];
+      const float m_new = fmaxf(m[i], fmaxf(mx[i], other));
+      rescale[i] = m_new == m[i] ? 1.f : Exp2(m[i] - m_new);
       m[i] = m_new;
+      mu[i] = m_new == -INFINITY ? 0.f : m_new;  // no NaN from -inf - -inf
     }
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
+    for (int k = 0; k < 16; ++k) {
       const int i = (k >> 1) & 1;
-      sc[k] = m[i] == -INFINITY ? 0.f : expf(sc[k] - m[i]);
+      sc[k] = Exp2(sc[k] - mu[i]);
       sum[i] += sc[k];
     }
-    uint32_t pa[16];
+    // the weights, rounded to bf16, into P (heads x tile rows, K-major)
 #pragma unroll
-    for (int k = 0; k < 16; ++k) pa[k] = PackBf16x2(sc[2 * k], sc[2 * k + 1]);
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        *reinterpret_cast<uint32_t*>(sm.p + wgmma::ChunkOffset(row0 + 8 * i, 4 * c + j) +
+                                     4 * quad) = PackBf16x2Rn(sc[4 * j + 2 * i],
+                                                              sc[4 * j + 2 * i + 1]);
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) den[i] = den[i] * rescale[i] + sum[i];
+    if (__any_sync(kFull, rescale[0] != 1.f || rescale[1] != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
+      for (int j = 0; j < 32; ++j) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) o[4 * j + k] *= rescale[k >> 1];
+        for (int k = 0; k < 4; ++k) o[4 * j + k] *= rescale[k >> 1];
+      }
     }
+    wgmma::FenceSharedForAsync();
+    BarSync(kExchange, 256);                    // P is whole
     wgmma::Fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t frag[4] = {pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3]};
-      wgmma::MmaRS256(o, frag, wgmma::NMajor(tile, 4 * c, kk));
-    }
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma::MmaSS256(o, wgmma::KMajor(sm.p, kk), wgmma::NMajor(sm.tile, 4 * c, kk));
     wgmma::Commit();
-    wgmma::WaitAll();
   }
+  wgmma::WaitAll();
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     den[i] += __shfl_xor_sync(kFull, den[i], 1);
     den[i] += __shfl_xor_sync(kFull, den[i], 2);
   }
+  if (splits == 1) {                            // no merge: finish from the registers
+    if (quad == 0) {
+      sm.row_max[c][row0] = den[0];               // the other half's denominators
+      sm.row_max[c][row0 + 8] = den[1];
+    }
+    BarSync(kExchange, 256);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = row0 + 8 * i;
+      const int64_t h = h0 + r;
+      const float d = den[i] + sm.row_max[1 - c][r];
+      AttnFinishFragmentRow(a, t, h, m[i], d, o, i, 256 * c + 2 * quad, quad == 0 && c == 0);
+    }
+    return;
+  }
+  BarSync(kConsumerSync, 256);                  // both done reading q, the tile and P
+  AttnPartial& part = shared.part;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int64_t h = h0 + row0 + 8 * i;
-    if (splits > 1) {
-      float* w = WsRow(ws, a, split, t, h);
+    const int r = row0 + 8 * i;
 #pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(w + 256 * c + 8 * j + 2 * quad) =
-            make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
-      if (c == 0 && quad == 0) {
-        w[kHeadDim] = m[i];
-        w[kHeadDim + 1] = den[i];
-      }
-      continue;
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<float2*>(&part.o[r][256 * c + 8 * j + 2 * quad]) =
+          make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
+    if (quad == 0) {
+      if (c == 0) part.m[r] = m[i];
+      part.den[c][r] = den[i];
     }
-    if (h >= a.H) continue;
-    const bool empty = m[i] == -INFINITY;     // sees nothing and no sink
-    uint16_t* out = a.out + (t * a.H + h) * kHeadDim;
-    const float pos = static_cast<float>(p);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = 256 * c + 8 * j + 2 * quad;
-      float y0 = empty ? 0.f : num::RoundBf16(o[4 * j + 2 * i] / den[i]);
-      float y1 = empty ? 0.f : num::RoundBf16(o[4 * j + 2 * i + 1] / den[i]);
-      if (!empty && a.inv_freq != nullptr && col >= kNopeDim)
-        InverseRopePair(y0, y1, pos * __ldg(a.inv_freq + (col - kNopeDim) / 2), &y0, &y1);
-      *reinterpret_cast<uint32_t*>(out + col) = PackBf16x2(y0, y1);
-    }
-    if (c == 0 && quad == 0) a.lse[t * a.H + h] = empty ? -INFINITY : m[i] + logf(den[i]);
   }
 }
 
+// grid (T x splits, ceil(H / 64)), clusters of `splits` along x: CTA x is
+// split x % splits of token x / splits.
 __global__ void __launch_bounds__(kThreads, 1)
-    AttentionWgmmaKernel(AttentionArgs a, float* ws, int splits) {
+    AttentionWgmmaKernel(AttentionArgs a, int splits) {
   extern __shared__ uint8_t smem_raw[];
-  Shared& sm = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                          ~static_cast<uintptr_t>(1023));
+  Shared& shared = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                              ~static_cast<uintptr_t>(1023));
+  LoopShared& sm = shared.loop;
   const int tid = threadIdx.x;
-  const int64_t t = blockIdx.x, h0 = static_cast<int64_t>(blockIdx.y) * kHeads;
-  const int split = static_cast<int>(blockIdx.z);
+  const int64_t t = blockIdx.x / splits, h0 = static_cast<int64_t>(blockIdx.y) * kHeads;
+  const int split = static_cast<int>(blockIdx.x % splits);
   const bool first = blockIdx.y == 0 && split == 0;   // counts the token's errors
+  WaitForPrevious();                           // every operand may come from the kernel before
   AttnToken tok;
   if (!AttnBeginToken(a, t, blockIdx.x == 0 && first && tid == 0, &tok)) return;
   const int64_t l = tok.l, lk = tok.lk, s = tok.s, p = tok.p;
@@ -491,8 +505,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     live = false;
   }
   if (first && tid == 0 && err >= 0) atomicAdd(&a.errors[err], 1);
-  if (!live) {
-    WriteDropped(a, ws, splits, split, t, h0);
+  if (!live) {                                   // every CTA of the cluster drops it
+    AttnWriteDropped(a, t, h0, split == 0);
     return;
   }
   const int64_t first_pos = AttnFirstPos(a, s, &sm.first_pos);
@@ -503,10 +517,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < 128) {
     RegsDown<kProducerRegs>();
     Produce(a, sm, l, lk, t, s, p, first_pos, c0, c1, blockIdx.y == 0);
+    if (splits > 1) RegsUp<kLaunchRegs>();       // back to the launch's share for the merge
   } else {
     RegsUp<kConsumerRegs>();
-    Consume(a, sm, ws, splits, split, t, h0, p, tid < 256 ? 0 : 1);
+    Consume(a, shared, splits, split, t, h0, tid < 256 ? 0 : 1);
+    if (splits > 1) RegsDown<kLaunchRegs>();
   }
+  // No LetNextStart: a dependent kernel's CTAs would take the SMs this one
+  // leaves and wait on them, which overlaps nothing at one CTA an SM.
+  if (splits > 1) AttnFinish(a, shared.part, splits, t, h0);
 }
 
 }  // namespace tc

@@ -24,6 +24,9 @@ MXFP4_BLOCK = 32        # indexer keys: one UE8M0 scale per 32 values
 INDEX_SCALES = INDEX_DIM // MXFP4_BLOCK  # 4
 INDEX_PACKED = INDEX_DIM // 2            # 64 bytes, two e2m1 codes per byte
 NORM_EPS = 1e-6
+# Scratch bytes a prefill chunk row of `attention` takes on the GPU (the
+# row encoded once as append stores it, and a finite flag).
+ATTN_CHUNK_SCRATCH_ROW = 1040
 
 # Compressor RoPE of the official model.
 ROPE_THETA = 160000.0

@@ -8,9 +8,9 @@
 //         errors s32[8], swa.kv entries [L,R,128,...], then the kind's pool
 //         entries [Lk,N,32 or 1,...] (none for SWA)
 //   rets  out bf16[T,H,512], lse f32[T,H], errors (aliased when the state is
-//         returned), workspace f32[S,T,Hp,516] (S >= 2 splits of each token's
-//         items on the CUDA tensor-core kernel, Hp = H rounded up to 64; S = 0
-//         rows: no split; the CPU handler takes S = 0)
+//         returned), scratch u8[T * 1040 or 0] (the CUDA kernels' prefill
+//         chunk rows encoded once as append stores them; 0 bytes in decode
+//         and on the CPU, which ignores it)
 #pragma once
 
 #include <cstdint>
@@ -44,13 +44,24 @@ struct AttentionArgs {
   uint16_t* out = nullptr;             // bf16 bits [T, H, 512]
   float* lse = nullptr;                // [T, H]
   int32_t* errors = nullptr;
-  int64_t splits = 1;                  // the workspace's S, 1 for none
-  float* workspace = nullptr;          // [S, T, Hp, 516] when splits > 1
+  uint8_t* scratch = nullptr;          // chunk rows encoded (CUDA, prefill), or null
+  int64_t scratch_bytes = 0;
+  EntryPool chunk;                     // the encoded chunk rows (CUDA, prefill)
+  const uint8_t* chunk_finite = nullptr;   // per chunk row: 1 if finite (else unseen)
 };
 
-// Floats a workspace row holds: the numerator O[512], the running max, the
-// denominator, and padding to 16 bytes.
-constexpr int64_t kAttnWorkspaceRow = 516;
+// Carves the scratch of a prefill call (T * kAttnChunkScratchRow bytes) into
+// a pool of T entries in the call's format (NoPE, then RoPE, then scales) and
+// the rows' finite flags. False when there is no chunk or too little scratch.
+inline bool AttnBindChunkScratch(AttentionArgs* a) {
+  if (!a->has_chunk || a->scratch_bytes < a->T * kAttnChunkScratchRow) return false;
+  a->chunk.fmt = a->ring.fmt;
+  a->chunk.nope = a->scratch;
+  a->chunk.rope = reinterpret_cast<uint16_t*>(a->scratch + a->T * 2 * kNopeDim);
+  a->chunk.scale = a->scratch + a->T * (2 * kNopeDim + 2 * kRopeDim);
+  a->chunk_finite = a->scratch + a->T * (2 * kNopeDim + 2 * kRopeDim + 8);
+  return true;
+}
 
 template <typename Binding>
 auto BindAttention(Binding binding) {
@@ -73,7 +84,7 @@ auto BindAttention(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // out
       .template Ret<ffi::AnyBuffer>()  // lse
       .template Ret<ffi::AnyBuffer>()  // errors
-      .template Ret<ffi::AnyBuffer>();  // workspace
+      .template Ret<ffi::AnyBuffer>();  // scratch
 }
 
 inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuffer layer,
@@ -84,7 +95,7 @@ inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuf
                                     ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,
                                     ffi::AnyBuffer errors_in, const ffi::RemainingArgs& entry_args,
                                     ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer errors,
-                                    ffi::AnyBuffer workspace, AttentionArgs* result) {
+                                    ffi::AnyBuffer scratch, AttentionArgs* result) {
   AttentionArgs a;
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   if (kind != kAttnSwa && kind != kAttnCsa && kind != kAttnHca)
@@ -148,15 +159,9 @@ inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuf
   }
   DSV4_RETURN_IF_ERROR(CheckBuffer("out (result)", out, ffi::DataType::BF16, {a.T, a.H, kHeadDim}));
   DSV4_RETURN_IF_ERROR(CheckBuffer("lse (result)", lse, ffi::DataType::F32, {a.T, a.H}));
-  const int64_t hp = (a.H + 63) / 64 * 64;
-  DSV4_RETURN_IF_ERROR(CheckBuffer("workspace (result)", workspace, ffi::DataType::F32,
-                                   {-1, a.T, hp, kAttnWorkspaceRow}));
-  const int64_t splits = workspace.dimensions()[0];
-  if (splits == 1)
-    return ffi::Error::InvalidArgument("workspace (result): expected 0 splits (none) or at "
-                                       "least 2, got 1");
-  a.splits = splits > 1 ? splits : 1;
-  a.workspace = splits > 1 ? static_cast<float*>(workspace.untyped_data()) : nullptr;
+  DSV4_RETURN_IF_ERROR(CheckBuffer("scratch (result)", scratch, ffi::DataType::U8, {-1}));
+  a.scratch_bytes = scratch.dimensions()[0];
+  a.scratch = a.scratch_bytes > 0 ? static_cast<uint8_t*>(scratch.untyped_data()) : nullptr;
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
   a.comp_layer = static_cast<const int32_t*>(comp_layer.untyped_data());
   a.q = static_cast<const uint16_t*>(q.untyped_data());

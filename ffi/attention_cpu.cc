@@ -158,15 +158,12 @@ ffi::Error AttentionImpl(int64_t kv_format, int64_t kind, ffi::AnyBuffer layer,
                          ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors_in,
                          ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> errors,
-                         ffi::Result<ffi::AnyBuffer> workspace) {
+                         ffi::Result<ffi::AnyBuffer> scratch) {
   AttentionArgs a;
   DSV4_RETURN_IF_ERROR(ValidateAttention(kv_format, kind, layer, comp_layer, q, token_slot,
                                          token_pos, topk, chunk_kv, sink, inv_freq, block_table,
-                                         swa_pos, errors_in, entry_args, *out, *lse, *errors, *workspace,
+                                         swa_pos, errors_in, entry_args, *out, *lse, *errors, *scratch,
                                          &a));
-  if (a.splits != 1)
-    return ffi::Error::InvalidArgument("workspace (result): the CPU handler does not split, "
-                                       "expected 0 splits, got " + std::to_string(a.splits));
   const int64_t heads = a.T * a.H;
   std::memset(a.out, 0, static_cast<size_t>(heads) * kHeadDim * sizeof(uint16_t));
   for (int64_t i = 0; i < heads; ++i) a.lse[i] = kNegInf;

@@ -1,6 +1,7 @@
 // nanobind module _dsv4_cpu: hands the CPU FFI handlers to Python as capsules.
 #include <nanobind/nanobind.h>
 
+#include "dsv4/layout.h"
 #include "handlers_cpu.h"
 
 namespace nb = nanobind;
@@ -29,5 +30,25 @@ NB_MODULE(_dsv4_cpu, m) {
     targets["dsv4_take_rows"] = Capsule(dsv4::TakeRowsCpu);
     targets["dsv4_put_rows"] = Capsule(dsv4::PutRowsCpu);
     return targets;
+  });
+  // The layout constants as the C++ and CUDA code sees them, so that a test
+  // holds dsv4_jax/config.py and errors.py to the same numbers.
+  m.def("layout", []() {
+    nb::dict c;
+    c["HEAD_DIM"] = dsv4::kHeadDim;
+    c["ROPE_DIM"] = dsv4::kRopeDim;
+    c["NOPE_DIM"] = dsv4::kNopeDim;
+    c["NOPE_TILE"] = dsv4::kNopeTile;
+    c["NOPE_TILES"] = dsv4::kNopeTiles;
+    c["WINDOW"] = dsv4::kWindow;
+    c["CSA_RATIO"] = dsv4::kCsaRatio;
+    c["HCA_RATIO"] = dsv4::kHcaRatio;
+    c["BLOCK_TOKENS"] = dsv4::kBlockTokens;
+    c["INDEX_DIM"] = dsv4::kIndexDim;
+    c["INDEX_PACKED"] = dsv4::kIndexPacked;
+    c["INDEX_SCALES"] = dsv4::kIndexScales;
+    c["ATTN_CHUNK_SCRATCH_ROW"] = dsv4::kAttnChunkScratchRow;
+    c["NUM_ERROR_KINDS"] = static_cast<int>(dsv4::kNumErrorKinds);
+    return c;
   });
 }

@@ -41,3 +41,17 @@ def test_noop_returns_its_operand_on_the_cpu():
                             input_output_aliases={0: 0})
     x = np.arange(5, dtype=np.int32) * 7
     np.testing.assert_array_equal(jax.jit(noop)(jnp.asarray(x)), x)
+
+
+def test_layout_constants_agree_between_python_and_cpp():
+    """dsv4_jax/config.py and errors.py hold the numbers ffi/include/dsv4/
+    layout.h compiles into the handlers and kernels (design §2): one value
+    changed on one side only fails here."""
+    from dsv4_jax import config as C
+    from dsv4_jax import errors as E
+    module = pytest.importorskip("dsv4_jax._dsv4_cpu")
+    cpp = module.layout()
+    assert len(cpp) >= 14
+    for name, value in cpp.items():
+        expected = E.NUM_ERROR_KINDS if name == "NUM_ERROR_KINDS" else getattr(C, name)
+        assert value == expected, f"{name}: C++ {value}, Python {expected}"

@@ -20,10 +20,10 @@ FFI target "dsv4_attention" (the same operands on CPU and CUDA):
          swa.pos i32[L, R, 128], errors i32[8], swa.kv entries, then the
          kind's pool entries (csa.kv or hca.kv; none for SWA)
   rets   out bf16[T, H, 512], lse f32[T, H], errors (aliased to the errors
-         argument when the state is returned), workspace f32[S, T, Hp, 516]
-         (discarded: the CUDA tensor-core kernel's partials when it splits
-         each token's items over S >= 2 CTAs, Hp = H rounded up to 64; S = 0
-         when it does not split, and always for the CPU handler)
+         argument when the state is returned), scratch u8[T * 1040 or 0]
+         (discarded: in a prefill chunk the CUDA kernels encode the chunk's
+         rows there once, as append stores them; 0 bytes in decode and for
+         the CPU handler)
 """
 from __future__ import annotations
 
@@ -42,25 +42,6 @@ from ._layer import layer_operand, pick_layer, traced_layer
 
 _I32 = jnp.int32
 KIND_CODE = {C.SWA: 0, C.CSA: 1, C.HCA: 2}
-
-# The tensor-core kernel runs one CTA per (token, 64 heads, split) and one CTA
-# fits a multiprocessor (its tiles take ~200 KB of shared memory): splits
-# fill one wave of an H100's 132 multiprocessors, never below a 64-row tile.
-_WAVE_CTAS = 132
-_TILE_ROWS = 64
-WORKSPACE_ROW = 516
-
-
-def splits_for(T: int, H: int, candidates: int) -> int:
-    """How many CTAs the CUDA kernel splits each token's `candidates` items
-    over (1: no split): as many as keep T x ceil(H / 64) x splits within one
-    wave, at most one per 64-row tile."""
-    if T == 0:
-        return 1
-    ctas = T * (-(-H // 64))
-    tiles = -(-candidates // _TILE_ROWS)
-    return max(1, min(tiles, _WAVE_CTAS // ctas))
-
 
 def _layer_kind(cfg, layer, kind):
     """The layer's kind: read off the config for a Python int (a `kind`
@@ -174,11 +155,7 @@ def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
         chunk_arg = chunk_kv if chunk_kv is not None else jnp.zeros((0, C.HEAD_DIM), jnp.bfloat16)
         freq_arg = rope_inv_freq if rope_inv_freq is not None else jnp.zeros((0,), jnp.float32)
         pool = {C.CSA: state.csa.kv, C.HCA: state.hca.kv, C.SWA: None}[kind]
-        mb = state.block_table.shape[1]
-        candidates = (C.WINDOW + (T if chunk_kv is not None else 0)
-                      + {C.CSA: topk_arg.shape[1], C.HCA: mb, C.SWA: 0}[kind])
-        splits = splits_for(T, H, candidates) if impl == "cuda" else 1
-        hp = -(-H // 64) * 64
+        scratch = T * C.ATTN_CHUNK_SCRATCH_ROW if chunk_kv is not None and impl == "cuda" else 0
         out, lse, errors, _ = ffi_call(
             target, [layer_idx, kind_idx, q, token_slot, token_pos, topk_arg, chunk_arg, sink,
                      freq_arg, state.block_table, state.swa.pos, state.errors,
@@ -187,8 +164,7 @@ def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
             [jax.ShapeDtypeStruct((T, H, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((T, H), jnp.float32),
              jax.ShapeDtypeStruct(state.errors.shape, _I32),
-             jax.ShapeDtypeStruct((splits if splits > 1 else 0, T, hp, WORKSPACE_ROW),
-                                  jnp.float32)],
+             jax.ShapeDtypeStruct((scratch,), jnp.uint8)],
             errors_alias(11, 2, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
             kind=KIND_CODE[kind])
     if not return_state:

@@ -19,6 +19,11 @@ constexpr int kIndexDim = 128;
 constexpr int kIndexPacked = 64;   // bytes of packed e2m1 codes per key
 constexpr int kIndexScales = 4;
 
+// Scratch bytes a prefill chunk row of attention takes on the GPU: its entry
+// as append stores it (NoPE codes or bf16 up to 896 bytes, RoPE 128, scales
+// up to 8) and one byte saying whether the row was finite.
+constexpr int kAttnChunkScratchRow = 1040;
+
 // Online-softmax accumulator rows (axis of length 3 in comp/icomp).
 constexpr int kAccMax = 0, kAccSum = 1, kAccKv = 2;
 
