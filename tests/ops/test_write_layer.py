@@ -456,7 +456,7 @@ def test_ffi_operands_checked_as_append_and_flush_check_them():
         f = jax.ffi.ffi_call("dsv4_write_layer_hca",
                              [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased],
                              input_output_aliases={11 + i: i for i in range(len(aliased))})
-        return jax.block_until_ready(f(*args, kv_format=np.int64(0),
+        return jax.block_until_ready(f(*args, kv_format=np.int64(0), variant=np.int64(0),
                                        max_context=np.int64(cfg.max_context)))
 
     out = call()
