@@ -408,6 +408,7 @@ __device__ inline void AppendAnyOrder(const AppendArgs& a, const AppendPlan& pla
 // (a decode step) reads every row once. Any order.
 __device__ inline void AppendScan(const AppendArgs& a, const AppendPlan& plan, unsigned block) {
   cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
+  cuda::LetNextStart();     // a kernel launched overlapped after this one waits for it
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t t = int64_t{block} * plan.block_tokens + warp;
   const bool has = warp < plan.block_tokens && t < a.T;

@@ -314,14 +314,14 @@ struct MaskRows {
   }
 };
 
-// Walks the rows of request slot s from row t0 on, in row order, under the
-// rule of ffi/flush.h (expected positions p0 + k): the request's
-// accumulators and t0's operands are loaded first, then `rows` decides
-// whether t0 is the request's first row (else nothing happens). kPrevious:
-// the epilogue as it was (BlockEpilogue; kVariantPrevious).
+// Walks the rows of request slot s from row t0 (position p0) on, in row
+// order, under the rule of ffi/flush.h (expected positions p0 + k): the
+// request's accumulators and t0's operands are loaded first, then `rows`
+// decides whether t0 is the request's first row (else nothing happens).
+// kPrevious: the epilogue as it was (BlockEpilogue; kVariantPrevious).
 template <bool kCsa, bool kPrevious = false, typename Rows>
-__device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0, FlushShared& sh,
-                            const Rows& rows) {
+__device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0, int64_t p0,
+                            FlushShared& sh, const Rows& rows) {
   const int c = threadIdx.x;
   const CompressorView& mv = a.main;
   const int64_t coff = kCsa ? 2 : 1;
@@ -386,7 +386,7 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
   };
   bool touched = false;
   int64_t t = t0;
-  TokenIn in = load(t, static_cast<int64_t>(__ldg(a.pos + t0)));
+  TokenIn in = load(t, p0);
   if (!rows.First(t0)) return;  // block-uniform; the loads above are wasted
   while (t < a.T) {
     const int64_t tn = rows.Next(t + 1);
@@ -475,11 +475,13 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
 template <bool kCsa, bool kPrevious = false>
 __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, FlushShared& sh) {
   cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
+  if (!kPrevious) cuda::LetNextStart();  // a kernel launched overlapped after this one waits
   const bool masked = !kPrevious && a.T <= kThreads;
   const int32_t my_slot =
       masked && threadIdx.x < a.T ? __ldg(a.slot + threadIdx.x) : int32_t{-1};
   const int64_t first = block;
   const int64_t s_first = first < a.T ? __ldg(a.slot + first) : -1;
+  const int64_t p_first = first < a.T ? __ldg(a.pos + first) : 0;
   int64_t l;
   if (!cuda::LayerOkCountedBy(block == 0, a.layer, a.L, a.errors, &l)) return;
   for (int64_t t0 = first; t0 < a.T; t0 += blocks) {
@@ -491,7 +493,8 @@ __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, 
       continue;
     }
     if (masked) {
-      WalkRequest<kCsa>(a, l, s, t0, sh, MaskRows{a, s, sh, my_slot});
+      const int64_t p0 = t0 == first ? p_first : __ldg(a.pos + t0);
+      WalkRequest<kCsa>(a, l, s, t0, p0, sh, MaskRows{a, s, sh, my_slot});
       continue;
     }
     // Is t0 the first row of request s? (block-uniform)
@@ -499,7 +502,7 @@ __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, 
     int seen = 0;
     for (int64_t i = threadIdx.x; i < t0; i += blockDim.x) seen |= __ldg(a.slot + i) == s;
     if (__syncthreads_or(seen)) continue;
-    WalkRequest<kCsa, kPrevious>(a, l, s, t0, sh, SearchRows{a, s, sh});
+    WalkRequest<kCsa, kPrevious>(a, l, s, t0, __ldg(a.pos + t0), sh, SearchRows{a, s, sh});
   }
 }
 
