@@ -115,7 +115,8 @@ inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most, int64_t variant
     int64_t per = (T + spread - 1) / spread;
     per = per < 1 ? 1 : (per > kWarps ? kWarps : per);
     p.block_tokens = static_cast<int>(per);
-    p.blocks = static_cast<unsigned>(T > 0 ? (T + per - 1) / per : 1);
+    const int64_t blocks = (T + per - 1) / per;   // more tokens than that: a warp takes several
+    p.blocks = static_cast<unsigned>(blocks < 1 ? 1 : (blocks > spread ? spread : blocks));
     return p;
   }
   const int tokens = previous || T >= kClusterCall ? kTokensPerBlock : kRunTokensPerBlock;
@@ -396,31 +397,23 @@ __device__ inline void AppendAnyOrder(const AppendArgs& a, const AppendPlan& pla
 }
 
 // ---- scan --------------------------------------------------------------------------------
-// Calls of at most kScanCall rows: a warp a token, plan.block_tokens tokens a
-// block and no barrier, so that the host can spread a decode step's tokens
-// over the multiprocessors (each is a short chain of dependent loads and an
-// encode; one block ran them four to a warp, one after another). The warp
+// Calls of at most kScanCall rows: a warp a token (several, one after
+// another, where the tokens outnumber the grid's warps), plan.block_tokens
+// tokens a block and no barrier, so that the host can spread a decode step's
+// tokens over the multiprocessors (each is a short chain of dependent loads
+// and an encode; one block ran them four to a warp, one after another). The warp
 // reads every row's slot and position (8 bytes a row, from L1 after the
 // first warp of a multiprocessor) looking for rows that beat its token in its
 // cell (the same slot and ring slot, a larger position, or the same one
 // later in the call); only such a row is read, for its finiteness, and the
 // first finite one ends the search. A call whose cells hold one token each
 // (a decode step) reads every row once. Any order.
-__device__ inline void AppendScan(const AppendArgs& a, const AppendPlan& plan, unsigned block) {
-  cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
-  cuda::LetNextStart();     // a kernel launched overlapped after this one waits for it
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t t = int64_t{block} * plan.block_tokens + warp;
-  const bool has = warp < plan.block_tokens && t < a.T;
-  int32_t s = -1, p = 0;
-  Row row;
-  if (has) {  // all three loads at once: the row's address needs only t
-    s = __ldg(a.slot + t);
-    p = __ldg(a.pos + t);
-    row = LoadRow(a, t);
-  }
-  int64_t l;
-  if (!cuda::LayerOkCountedBy(block == 0, a.layer, a.L, a.errors, &l) || !has) return;
+//
+// Token t of a scan: counted if dropped, written if it wins its cell. Its
+// slot, position and row are loaded by the caller. All lanes of the warp call.
+__device__ inline void ScanToken(const AppendArgs& a, int64_t l, int64_t t, int32_t s, int32_t p,
+                                 const Row& row) {
+  const int lane = threadIdx.x & 31;
   const bool slot_ok = s >= 0 && s < a.R, valid = slot_ok && p >= 0 && p < a.max_context;
   if (!valid) {  // counted once, by the token's own warp (warp-uniform)
     if (lane == 0 && s != -1) atomicAdd(&a.errors[slot_ok ? kBadPosition : kBadSlot], 1);
@@ -451,6 +444,32 @@ __device__ inline void AppendScan(const AppendArgs& a, const AppendPlan& plan, u
       }
   }
   WriteEntry(a, l, s, p, row);
+}
+
+__device__ inline void AppendScan(const AppendArgs& a, const AppendPlan& plan, unsigned block) {
+  cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
+  cuda::LetNextStart();     // a kernel launched overlapped after this one waits for it
+  const int warp = threadIdx.x >> 5;
+  const int64_t stride = int64_t{plan.blocks} * plan.block_tokens;
+  int64_t t = int64_t{block} * plan.block_tokens + warp;
+  const bool has = warp < plan.block_tokens && t < a.T;
+  int32_t s = -1, p = 0;
+  Row row;
+  if (has) {  // all three loads at once: the row's address needs only t
+    s = __ldg(a.slot + t);
+    p = __ldg(a.pos + t);
+    row = LoadRow(a, t);
+  }
+  int64_t l;
+  if (!cuda::LayerOkCountedBy(block == 0, a.layer, a.L, a.errors, &l) || !has) return;
+  for (;;) {  // grid-stride, where the tokens outnumber the grid's warps
+    ScanToken(a, l, t, s, p, row);
+    t += stride;
+    if (t >= a.T) return;
+    s = __ldg(a.slot + t);
+    p = __ldg(a.pos + t);
+    row = LoadRow(a, t);
+  }
 }
 
 // ---- small calls (kVariantPrevious) ---------------------------------------------------------
