@@ -28,8 +28,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) AppendKernel(AppendArg
 }
 
 ffi::Error AppendImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                      int64_t variant, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
-                      ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
+                      int64_t variant, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
+                      ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
+                      ffi::AnyBuffer errors_in,
                       ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
                       ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   AppendArgs a;

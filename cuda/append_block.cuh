@@ -28,7 +28,8 @@
 //
 //   The check: the rows are split among the blocks of a thread-block
 //   cluster (up to 8; a cluster of one below kClusterCall rows, where every
-//   block reading all the metadata costs less than the cluster's barriers). A row continuing its predecessor's slot must have the
+//   block reading all the metadata is expected to cost less than the
+//   cluster's barriers). A row continuing its predecessor's slot must have the
 //   next position; a row starting a run sets its slot's bit in a bitmap
 //   spread over the cluster's shared memory, and finding the bit already set
 //   means a second run of that slot. Every cluster checks the whole call, so
@@ -401,8 +402,8 @@ __device__ inline void AppendAnyOrder(const AppendArgs& a, const AppendPlan& pla
 // another, where the tokens outnumber the grid's warps), plan.block_tokens
 // tokens a block and no barrier, so that the host can spread a decode step's
 // tokens over the multiprocessors (each is a short chain of dependent loads
-// and an encode; one block ran them four to a warp, one after another). The warp
-// reads every row's slot and position (8 bytes a row, from L1 after the
+// and an encode; one block ran them four to a warp, one after another). The
+// warp reads every row's slot and position (8 bytes a row, from L1 after the
 // first warp of a multiprocessor) looking for rows that beat its token in its
 // cell (the same slot and ring slot, a larger position, or the same one
 // later in the call); only such a row is read, for its finiteness, and the

@@ -237,7 +237,7 @@ def write_then_indexer_us(B, ctx, variant, calls=6):
     return median([se - ws for (ws, _), (_, se) in zip(writes, selects)])
 
 
-# ---- report ---------------------------------------------------------------------------------------
+# ---- report ---------------------------------------------------------------------------------
 def fmt(v):
     return "–" if v is None else f"{v:.2f}"
 
