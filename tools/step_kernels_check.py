@@ -11,7 +11,15 @@ overlapped launches change between two of the library's calls).
 scan up to 4096 rows). Times are kernel durations on the GPU's own timeline
 (CUPTI through jax.profiler), medians over the traced calls.
 
-    python tools/step_kernels_check.py [--json PATH] [--peers .peers] [--quick]
+    python tools/step_kernels_check.py [--json PATH] [--peers .peers] [--quick] [--pair-only]
+
+With an overlapped launch a kernel's duration on the timeline starts when its
+first CTA is in place, which may be while the kernel ahead still runs; so the
+score kernel's own time is not its cost. The select's tail (its end less the
+score kernel's end), the call's period in a loop and the write-then-indexer
+span are. `--pair-only` times only that span (run it again with
+XLA_FLAGS=--xla_gpu_enable_command_buffer= to see what XLA's command buffers
+keep of the overlap).
 
 Needs a GPU and the CUDA module; the original append kernel needs torch with
 CUDA and the peers folder (else its column says why not).
@@ -247,6 +255,8 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--peers", default=".peers")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    ap.add_argument("--pair-only", action="store_true",
+                    help="only write_layer then indexer_topk on one CSA layer")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     dev = jax.devices()[0]
@@ -259,6 +269,8 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
 
     indexer_cases = [(1, 4096, "span ≤ 8"), (64, 65536, "score ≤ 31, tail ≤ 10, span ≤ 45")]
+    if args.pair_only:
+        indexer_cases = []
     for B, ctx, target in indexer_cases[:1] if args.quick else indexer_cases:
         st = indexer_state(B, ctx)
         t = {k: indexer_times(st, B, ctx, v) for k, v in VARIANTS.items()}
@@ -266,8 +278,8 @@ def main(argv=None):
         for part in ("score_us", "select_tail_us", "span_us", "period_us"):
             row(f"indexer {part[:-3]}", f"B={B} {ctx // 1024}k", target,
                 before=t["before"][part], after=t["after"][part])
-    sizes = [1, 64, 512] if args.quick else [1, 64, 512, 4096, 65536]
-    original = original_append(sizes, args.peers)
+    sizes = [] if args.pair_only else [1, 64, 512] if args.quick else [1, 64, 512, 4096, 65536]
+    original = original_append(sizes, args.peers) if sizes else {}
     for T in sizes:
         row("append ds_fp8", f"{T} rows", "≤ original",
             before=append_us(T, VARIANT_PREVIOUS), after=append_us(T, VARIANT_DEFAULT),
@@ -275,11 +287,15 @@ def main(argv=None):
             original=original.get(T) if isinstance(original, dict) else None)
     if not isinstance(original, dict):
         print(f"original append: {original}", flush=True)
-    for kind in ("csa", "hca", "swa"):
+    for kind in () if args.pair_only else ("csa", "hca", "swa"):
         row(f"write_layer {kind}", "B=64 4k", "≤ 6",
             **{k: write_layer_us(64, 4096, kind, v) for k, v in VARIANTS.items()})
-    row("write_layer + indexer span", "B=1 4k", "",
-        **{k: write_then_indexer_us(1, 4096, v) for k, v in VARIANTS.items()})
+    flags = os.environ.get("XLA_FLAGS", "")
+    buffers = "command buffers off" if "enable_command_buffer=" in flags and \
+        "enable_command_buffer=F" not in flags else "XLA's default"
+    for B, ctx in ((1, 4096), (64, 4096)):
+        row("write_layer + indexer span", f"B={B} {ctx // 1024}k, {buffers}", "",
+            **{k: write_then_indexer_us(B, ctx, v) for k, v in VARIANTS.items()})
     print()
     print("| what | size | before µs | after µs | alternative µs | original µs | target |")
     print("|---|---|---:|---:|---:|---:|---|")

@@ -23,7 +23,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests of the changed kernels"
   $PY -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/test_decode_step_kernels_gpu.py tests/ops/test_flush_windows_gpu.py \
-      tests/ops/test_write_layer.py \
+      tests/ops/test_write_layer.py::test_cuda_append_matches_cpu \
       2>&1 | tee "$OUT/pytest.log" | tail -15
   test_rc=${PIPESTATUS[0]}
 fi
@@ -31,5 +31,8 @@ echo "== device times ($(( $(date +%s) - T0 )) s so far)"
 $PY tools/step_kernels_check.py --json "$OUT/step_kernels.json" --peers .peers ${QUICK:+--quick} \
     2>&1 | tee "$OUT/times.log" | grep -v '^{' | tail -30
 bench_rc=${PIPESTATUS[0]}
+echo "== write_layer then indexer_topk with XLA's command buffers off"
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" $PY tools/step_kernels_check.py \
+    --pair-only 2>&1 | tee "$OUT/pair_no_command_buffers.log" | grep '^| write' | tail -4
 echo "== done in $(( $(date +%s) - T0 )) s: tests rc=$test_rc times rc=$bench_rc"
 [ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
