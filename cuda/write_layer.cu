@@ -28,6 +28,8 @@ namespace {
 
 constexpr int kThreads = append_kernel::kThreads;
 static_assert(kThreads == flush_kernel::kThreads, "both roles run 512-thread blocks");
+constexpr int kScanTokensPerWarp = 4;
+constexpr int kScanTokensPerBlock = kScanTokensPerWarp * append_kernel::kWarps;
 
 template <bool kCsa, bool kPrevious>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -47,13 +49,15 @@ ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, int64_
                             const char* what) {
   const bool prefill = flush_kernel::UseWindowPlan(w.flush.T, w.flush.R);
   const int64_t flush_want = prefill ? 0 : flush_kernel::FlushGrid(w.flush.T);
-  // a scan role takes the multiprocessors the flush role leaves (at least
-  // one block); one block a multiprocessor: the flush role's registers
-  // allow no more
+  // a scan role takes the multiprocessors the flush role leaves, so that
+  // both run in one wave (one block a multiprocessor: the flush role's
+  // registers allow no more), unless its warps would then take more than
+  // kScanTokensPerWarp tokens each
   const int64_t spare = cuda::SmCount() - flush_want;
+  const int64_t least = (w.append.T + kScanTokensPerBlock - 1) / kScanTokensPerBlock;
   const append_kernel::AppendPlan plan =
       append_kernel::FitAppendPlan<WriteLayerKernel<kCsa, kPrevious>, 1>(
-          w.append.T, w.append.R, variant, spare > 1 ? spare : 1);
+          w.append.T, w.append.R, variant, spare > least ? spare : least);
   const unsigned k = plan.cluster;
   // flush blocks rounded up to whole clusters (the extra ones share the rows);
   // none in a prefill call, whose flush is the second launch
