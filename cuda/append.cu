@@ -1,8 +1,9 @@
 // CUDA handler of append (operands in ffi/append.h, rules in
 // dsv4_jax/ops/append.py). One launch of the block code of
 // cuda/append_block.cuh (how it finds each cell's winner and why that is
-// exact: its header), in clusters of up to 8 blocks, launched so that its
-// prologue may run under its predecessor's tail.
+// exact: its header): a scan grid of small blocks (a warp a token) for
+// decode-sized calls, else blocks of 512 threads in clusters of up to 8;
+// launched so that it may start under its predecessor's tail.
 #include <cuda_runtime.h>
 
 #include "append.h"
@@ -17,6 +18,7 @@ using append_kernel::AppendPlan;
 using append_kernel::kThreads;
 
 constexpr int kBlocksPerSm = 2;
+constexpr int kScanBlocksPerSm = 4;
 
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) AppendKernel(AppendArgs a,
                                                                        AppendPlan plan) {
@@ -26,17 +28,25 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) AppendKernel(AppendArg
 }
 
 ffi::Error AppendImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                      ffi::AnyBuffer layer, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
-                      ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
+                      int64_t variant, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
+                      ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
+                      ffi::AnyBuffer errors_in,
                       ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
                       ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   AppendArgs a;
+  DSV4_RETURN_IF_ERROR(CheckVariant(variant));
   DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
                                       swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
                                       entry_rets, &a));
-  const AppendPlan plan = append_kernel::FitAppendPlan<AppendKernel, kBlocksPerSm>(a.T, a.R);
+  // a scan grid: its tokens spread four blocks a multiprocessor deep, a
+  // block only as wide as its tokens (it has no barrier)
+  const AppendPlan plan = append_kernel::FitAppendPlan<AppendKernel, kBlocksPerSm>(
+      a.T, a.R, variant, int64_t{kScanBlocksPerSm} * cuda::SmCount());
+  const unsigned threads = plan.mode == append_kernel::AppendMode::kScan
+                               ? 32u * static_cast<unsigned>(plan.block_tokens)
+                               : static_cast<unsigned>(kThreads);
   return cuda::LaunchResult(
-      cuda::LaunchOverlapped(AppendKernel, dim3(plan.blocks), dim3(kThreads), plan.smem,
+      cuda::LaunchOverlapped(AppendKernel, dim3(plan.blocks), dim3(threads), plan.smem,
                              plan.cluster, stream, a, plan),
       "append");
 }

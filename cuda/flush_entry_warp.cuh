@@ -108,18 +108,6 @@ __device__ __forceinline__ void LoadWarpRow(const FlushArgs& a, int64_t t, int64
   r.finite = __all_sync(cuda::kFull, ok);
 }
 
-// The sum of squares of xs[0..d) in the documented order (32 strided
-// partial sums, then the halving fold), the value BlockEpilogue's warp 0
-// computes; every lane gets it.
-__device__ __forceinline__ float WarpSumSquares(const float* xs, int d) {
-  const int lane = threadIdx.x & 31;
-  float part = 0.f;
-  for (int k = lane; k < d; k += 32) part = part + xs[k] * xs[k];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) part = part + __shfl_down_sync(cuda::kFull, part, off);
-  return __shfl_sync(cuda::kFull, part, 0);
-}
-
 // BlockEpilogue's arithmetic on values a lane holds: `v[n]` of channels
 // ch(i) on entry, the bf16-valued row on return. RoPE pairs (2k, 2k+1) sit in
 // one lane, so only the norm's sum needs the row in `xs`.

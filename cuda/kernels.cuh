@@ -111,6 +111,24 @@ int MaxActiveClusters(void (*kernel)(Params...), unsigned threads, size_t smem,
 // ordinary launch: WaitForPrevious() then returns at once.
 // `cluster_x` > 1 groups that many consecutive CTAs (along x) into a
 // thread-block cluster, with or without the overlap.
+//
+// The rules every kernel launched so follows:
+//  - Before WaitForPrevious() it reads no operand. A handler cannot know
+//    which kernel runs before it (any of the caller's, an XLA fusion that
+//    computed its q or kv, our write of the same layer), so that is any
+//    buffer at all; what is left is address arithmetic, shared memory and
+//    registers. The one exception is a second kernel of the same FFI call
+//    whose first kernel writes nothing it reads (the indexer's select reads
+//    its token's q and position early: the score kernel before it writes
+//    only the rank keys, and lets it start only after its own wait).
+//  - Every CTA calls WaitForPrevious() before it exits, on every path: the
+//    kernel must not end before the one ahead of it, whose writes a kernel
+//    launched after it (overlapped or not) may read.
+//  - LetNextStart() comes after WaitForPrevious(), so a kernel launched
+//    overlapped behind this one finds everything before this one done.
+// Inside an XLA command buffer each FFI call is captured as its own graph:
+// the overlap holds between the kernels of one call and becomes a plain
+// dependency between calls, which the rules above keep correct too.
 template <typename... Params, typename... Args>
 cudaError_t LaunchOverlapped(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                              unsigned cluster_x, cudaStream_t stream, Args... args) {
