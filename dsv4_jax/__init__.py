@@ -111,11 +111,11 @@ from .ops.gather import gather_all, gather_topk, gather_window
 from .ops.indexer import indexer_topk
 from .ops.write_layer import write_layer
 from .params import CompressorParams, yarn_inv_freq
-from .request_moves import (OffloadedRequest, admit_on_prefix, export_request, import_request,
-                            offload, preempt, resume, share_prefix)
-from .request_state import (RequestBlocks, RequestIds, RequestSnapshot, read_blocks,
-                            read_request, request_ids, restore, snapshot, write_blocks,
-                            write_request)
+from .requests.moves import (OffloadedRequest, admit_on_prefix, export_request,
+                             import_request, offload, preempt, resume, share_prefix)
+from .requests.transfer import (read_blocks, read_request, request_ids, restore, snapshot,
+                                write_blocks, write_request)
+from .requests.types import RequestBlocks, RequestIds, RequestSnapshot
 from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
 
 __all__ = [

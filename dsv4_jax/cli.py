@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from . import _ffi
 from . import config as C
 from ._ui import UI
-from .config import CacheConfig
+from .arguments import nonnegative_int, output_path, positive_float, positive_int
+from .config import PRESETS, CacheConfig
 from .memory import MIB, memory_report
 
-_PRESETS = {"tiny": CacheConfig.tiny, "flash": CacheConfig.flash, "pro": CacheConfig.pro}
 GIB = 1024 ** 3
 # DeepSeek-V3.2's MLA cache: 512 fp8 values + 4 fp32 scales + 64 bf16 RoPE
 # channels per token per layer.
@@ -34,36 +33,6 @@ MLA_BYTES_PER_TOKEN_LAYER = 656
 
 class CliError(Exception):
     """An error the command line reports in one line (exit code 2)."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
 
 
 def _bytes(n: float) -> str:
@@ -181,12 +150,12 @@ def cmd_demo(args, parser) -> int:
         raise CliError(f"no FFI handlers to check on {platform}: "
                        f"{_ffi.missing_module_reason(platform)} "
                        f"(--impl reference checks the jnp reference against itself)")
-    _demo_limits(args, _PRESETS[args.model])
+    _demo_limits(args, PRESETS[args.model])
 
     ui = UI(plain=args.plain)
     # a slot per preempted request beyond the running ones: each comes back
     # into a slot it never held, so the check covers the whole move
-    cfg = _PRESETS[args.model](max_requests=args.requests + args.preempt,
+    cfg = PRESETS[args.model](max_requests=args.requests + args.preempt,
                                max_context=args.context, kv_format=args.kv_format)
     prompts = demo.prompt_lengths(cfg, args.requests, args.steps, args.seed)
     if args.preempt > args.requests:
@@ -279,7 +248,7 @@ def cmd_plan(args, parser) -> int:
         parser.error(f"--context: positions are int32, expected at most {C.MAX_CONTEXT:,} "
                      f"tokens, got {args.context:,}")
     try:
-        cfg = _PRESETS[args.model](max_requests=args.requests, max_context=args.context,
+        cfg = PRESETS[args.model](max_requests=args.requests, max_context=args.context,
                                    kv_format=args.kv_format)
     except ValueError as e:   # num_blocks beyond int32: too many requests of that context
         parser.error(f"--requests {args.requests:,} x --context {args.context:,}: {e}")
@@ -373,34 +342,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", parents=[common], help="run a checked decode loop (default)",
                        description=cmd_demo.__doc__)
-    p.add_argument("--model", choices=sorted(_PRESETS),
+    p.add_argument("--model", choices=sorted(PRESETS),
                    help="layer pattern (default: tiny on the CPU, flash on a GPU)")
-    p.add_argument("--requests", type=_positive_int, help="requests (default 4)")
-    p.add_argument("--context", type=_positive_int,
+    p.add_argument("--requests", type=positive_int, help="requests (default 4)")
+    p.add_argument("--context", type=positive_int,
                    help="maximum context per request (default 512 on the CPU, 4096 on a GPU)")
-    p.add_argument("--steps", type=_positive_int, help="decode steps after the prefill")
-    p.add_argument("--chunk", type=_positive_int, help="prefill tokens per request per step")
+    p.add_argument("--steps", type=positive_int, help="decode steps after the prefill")
+    p.add_argument("--chunk", type=positive_int, help="prefill tokens per request per step")
     p.add_argument("--kv-format", default="ds_fp8", choices=list(C.KV_FORMATS))
     p.add_argument("--impl", default="auto", choices=["auto", "cpu", "cuda", "reference"],
                    help="implementation of the checked run (the replay is always reference)")
-    p.add_argument("--seed", type=_nonnegative_int, default=0)
-    p.add_argument("--preempt", type=_nonnegative_int, default=0, metavar="N",
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--preempt", type=nonnegative_int, default=0, metavar="N",
                    help="preempt the first N requests to host memory mid-decode and resume "
                         "them into other slots and blocks (the check still covers every byte)")
     # Test hook: damage one stored byte after this step; the check must then FAIL.
-    p.add_argument("--corrupt-at-step", type=_nonnegative_int, default=None,
+    p.add_argument("--corrupt-at-step", type=nonnegative_int, default=None,
                    help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("plan", parents=[common], help="memory plan of a model, context and batch",
                        description=cmd_plan.__doc__)
-    p.add_argument("--model", choices=sorted(_PRESETS), default="flash")
-    p.add_argument("--context", type=_positive_int, default=65536, help="tokens per request")
-    p.add_argument("--requests", type=_positive_int, default=8)
+    p.add_argument("--model", choices=sorted(PRESETS), default="flash")
+    p.add_argument("--context", type=positive_int, default=65536, help="tokens per request")
+    p.add_argument("--requests", type=positive_int, default=8)
     p.add_argument("--kv-format", default="ds_fp8", choices=list(C.KV_FORMATS))
-    p.add_argument("--gpu-memory", type=_positive_float, default=80.0, metavar="GIB",
+    p.add_argument("--gpu-memory", type=positive_float, default=80.0, metavar="GIB",
                    help="memory to fill with requests of --context tokens (default 80 GiB)")
-    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    p.add_argument("--json", type=output_path, metavar="PATH",
+                   help="also write the numbers as JSON")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("bench", parents=[common], help="time the ops: table, JSON, plot",

@@ -23,8 +23,8 @@ import numpy as np
 from . import config as C
 from .config import CacheConfig
 from .errors import error_counts
-from .manager import CacheManager, bucket
-from .meta import StepMeta
+from .manager import CacheManager
+from .meta import StepMeta, bucket
 from .ops.append import append
 from .ops.apply_step import apply_step
 from .ops.flush import flush
@@ -96,7 +96,7 @@ def move_points(settings: DemoSettings) -> dict:
 def _move(state, manager, ids, parked, way, settings, events):
     """Preempt or resume the first `settings.preempt` requests (the run with
     the manager), recording each copy so a replay repeats it."""
-    from .request_moves import preempt, resume
+    from .requests.moves import preempt, resume
     order = range(settings.preempt) if way == "out" else reversed(range(settings.preempt))
     for j in order:
         if way == "out":
@@ -112,7 +112,7 @@ def _move(state, manager, ids, parked, way, settings, events):
 
 def _replay_moves(state, events, parked):
     """The recorded preemptions and resumptions done again by numpy on the
-    host, independently of `request_state`: the slot's rows and the blocks'
+    host, independently of requests/transfer.py: the slot's rows and the blocks'
     rows copied out, then into the recorded slot, blocks and block-table row."""
     slot_leaves = (".swa.", ".csa.comp", ".csa.icomp", ".hca.comp")
     block_leaves = (".csa.kv.", ".csa.index.", ".hca.kv.")

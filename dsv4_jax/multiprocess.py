@@ -32,8 +32,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .config import CacheConfig
-from .manager import CacheFullError, CacheManager, bucket
-from .meta import StepMeta
+from .manager import CacheFullError, CacheManager
+from .meta import StepMeta, bucket
 
 
 def shard_processes(mesh: jax.sharding.Mesh, axis: str) -> list[int]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax import request_state as rs
+from dsv4_jax import manager as manager_module
 from dsv4_jax.config import BLOCK_TOKENS
 
 SNAP = object()    # the manager keeps a prefix's snapshot opaque: any object will do here
@@ -36,7 +36,7 @@ def audit(m: dj.CacheManager, cfg):
 
 
 def test_long_random_churn_keeps_every_block_accounted_for(monkeypatch):
-    monkeypatch.setattr(rs, "check_snapshot", lambda config, snap: None)
+    monkeypatch.setattr(manager_module, "check_snapshot", lambda config, snap: None)
     cfg = dj.CacheConfig.tiny(max_requests=6, max_context=1024, num_blocks=24)
     m = dj.CacheManager(cfg)
     rng = np.random.default_rng(0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .. import config as C
+from ..arguments import input_path, names, output_path, size, sizes
 
 OPS = ("append", "gather_window", "gather_topk", "gather_all", "flush_csa", "flush_hca",
        "flash_step")
@@ -22,42 +23,14 @@ _DEFAULTS = {
 }
 
 
-def size(text: str) -> int:
-    """A positive count; a "k" suffix multiplies by 1024 ("4k" = 4096)."""
-    try:
-        value = int(text[:-1]) * 1024 if text.endswith("k") else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (or 4k, 64k), "
-                                         f"got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def sizes(text: str) -> list[int]:
-    """Comma-separated sizes: "1,8,4k"."""
-    return [size(v) for v in text.split(",") if v]
-
-
-def _names(allowed):
-    def parse(text: str) -> list[str]:
-        names = [v for v in text.split(",") if v]
-        bad = [v for v in names if v not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"expected names among {', '.join(allowed)}; "
-                                             f"got {text!r}")
-        return names
-    return parse
-
-
 def add_options(p: argparse.ArgumentParser, json_default=None, plot_default=None) -> None:
     """The benchmark's options; unset sizes and repeats take the platform's
     defaults (fewer with --quick)."""
-    p.add_argument("--ops", type=_names(OPS),
+    p.add_argument("--ops", type=names(OPS),
                    help=f"comma-separated among {','.join(OPS)} (default all; --quick: all but "
                         "flash_step)")
     p.add_argument("--rows", type=sizes, help="rows a call of each op, e.g. 1,64,4k")
-    p.add_argument("--formats", type=_names(C.KV_FORMATS), default=["ds_fp8"],
+    p.add_argument("--formats", type=names(C.KV_FORMATS), default=["ds_fp8"],
                    help="kv formats, comma-separated (default ds_fp8)")
     p.add_argument("--flush-decode", type=sizes, help="requests of the flush decode cases")
     p.add_argument("--flush-prefill", type=sizes, help="tokens of the flush prefill cases")
@@ -70,13 +43,13 @@ def add_options(p: argparse.ArgumentParser, json_default=None, plot_default=None
                    help="also time the jnp reference of each op and of the step")
     p.add_argument("--quick", action="store_true",
                    help="fewer sizes and repeats, no decode step")
-    p.add_argument("--json", metavar="PATH", default=json_default,
+    p.add_argument("--json", type=output_path, metavar="PATH", default=json_default,
                    help="where to write the numbers" + (f" (default {json_default})"
                                                         if json_default else ""))
-    p.add_argument("--plot", metavar="PATH", default=plot_default,
+    p.add_argument("--plot", type=output_path, metavar="PATH", default=plot_default,
                    help="where to write the plot (needs matplotlib)" + (
                        f" (default {plot_default})" if plot_default else ""))
-    p.add_argument("--markdown", metavar="JSON",
+    p.add_argument("--markdown", type=input_path, metavar="JSON",
                    help="print a saved run's (--json) tables as markdown and exit")
 
 

@@ -8,7 +8,7 @@ is "cuda" on a GPU, "cpu" on a CPU (smaller sizes there by default).
     python -m dsv4_jax bench                       # everything: table, bench.json, bench.png
     python -m dsv4_jax bench --quick               # the ops at two or three sizes
     python -m dsv4_jax bench --ops append,gather_window --rows 1,64,64k
-    python -m dsv4_jax bench --markdown bench.json # a saved run's tables, for RESULTS.md
+    python -m dsv4_jax bench --markdown bench.json # a saved run's tables, as docs/perf/ops.md
 """
 from __future__ import annotations
 
@@ -30,13 +30,14 @@ from .timing import BenchRun, Settings
 
 # what a decode-step row keeps of measure_step's record (the JSON of
 # benchmarks/bench_decode_step.py has the per-kernel table and the sequence)
-STEP_FIELDS = ("first_call_s", "span_us", "busy_us", "cache_busy_us", "kernels_per_step",
-               "kernels_per_layer", "cache_kernels_per_layer", "other_kernels_per_layer",
-               "copy_kernels_per_step")
+STEP_FIELDS = ("first_call_s", "span_us", "busy_us", "cache_busy_us", "family_us",
+               "kernels_per_step", "kernels_per_layer", "cache_kernels_per_layer",
+               "other_kernels_per_layer", "copy_kernels_per_step", "copy_kernels_per_layer")
 
 
 def bench_flash_step(b, batches, context, fmt):
-    """The V4-Flash decode step as a model runs it (the base variant) at
+    """The V4-Flash decode step as a model calls the library (model_step's
+    default: write_layer, indexer_topk, attention) at
     `context` tokens a request for each B in `batches`, with each of the
     run's impls on one filled state."""
     for B in batches:
