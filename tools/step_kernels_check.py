@@ -48,12 +48,9 @@ from dsv4_jax import config as C  # noqa: E402
 from dsv4_jax.ops._dispatch import (VARIANT_ALTERNATIVE, VARIANT_DEFAULT,  # noqa: E402
                                     VARIANT_PREVIOUS, kernel_variant)
 
-try:   # the benchmarks' helpers, wherever this checkout keeps them
-    from dsv4_jax.bench.device_timeline import kernel_events
-    from dsv4_jax.bench.indexer import make_state as indexer_state
-except ImportError:  # pragma: no cover - after a move of the benchmark package
-    from benchmarks.device_timeline import kernel_events  # type: ignore
-    from benchmarks.indexer import make_state as indexer_state  # type: ignore
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from dsv4_jax.bench.device_timeline import kernel_events  # noqa: E402
+from bench_indexer import make_state as indexer_state  # noqa: E402
 
 VARIANTS = {"before": VARIANT_PREVIOUS, "after": VARIANT_DEFAULT}
 
