@@ -28,20 +28,18 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) AppendKernel(AppendArg
 }
 
 ffi::Error AppendImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                      int64_t variant, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
-                      ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
-                      ffi::AnyBuffer errors_in,
+                      ffi::AnyBuffer layer, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                      ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
                       ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
                       ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   AppendArgs a;
-  DSV4_RETURN_IF_ERROR(CheckVariant(variant));
   DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
                                       swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
                                       entry_rets, &a));
   // a scan grid: its tokens spread four blocks a multiprocessor deep, a
   // block only as wide as its tokens (it has no barrier)
   const AppendPlan plan = append_kernel::FitAppendPlan<AppendKernel, kBlocksPerSm>(
-      a.T, a.R, variant, int64_t{kScanBlocksPerSm} * cuda::SmCount());
+      a.T, a.R, int64_t{kScanBlocksPerSm} * cuda::SmCount());
   const unsigned threads = plan.mode == append_kernel::AppendMode::kScan
                                ? 32u * static_cast<unsigned>(plan.block_tokens)
                                : static_cast<unsigned>(kThreads);

@@ -71,24 +71,17 @@ constexpr int kMaxCluster = 8;         // the portable cluster size
 constexpr int64_t kTableCap = 4096;    // keys of one any-order pass: 32 KiB
 constexpr int kBatch = 4;              // metadata rows a thread loads before using them
 constexpr int64_t kScanCall = 1024;     // rows up to which every token scans the call
-constexpr int64_t kScanCallAlternative = 4096;   // the same under kVariantAlternative
 constexpr int64_t kClusterCall = 16384; // rows from which the shape check is split in clusters
 constexpr int kRunTokensPerBlock = 16;  // one a warp, clusters of one
-// The append kernel as it was before AppendScan (kVariantPrevious only):
-// calls of at most kSmallCall rows in one block, compared in shared memory.
-constexpr int kSmallCall = 64;
-constexpr int kSmallPerWarp = kSmallCall / kWarps;
 
 enum class AppendMode : int {
   kScan,   // AppendScan: a warp a token, each scanning the call's metadata
   kRuns,   // the shape check, then grouped runs or any order
-  kSmall,  // AppendSmall (kVariantPrevious)
 };
 
-// The append role's launch, chosen on the host from T, R, the variant and the
-// most blocks that run at once (two a multiprocessor for the append kernel,
-// one beside flush; with clusters, what MaxActiveClusters allows: see
-// FitAppendPlan).
+// The append role's launch, chosen on the host from T, R and the most blocks
+// that run at once (two a multiprocessor for the append kernel, one beside
+// flush; with clusters, what MaxActiveClusters allows: see FitAppendPlan).
 struct AppendPlan {
   AppendMode mode = AppendMode::kRuns;
   unsigned blocks = 1;       // G, a multiple of `cluster`
@@ -101,16 +94,9 @@ struct AppendPlan {
 
 // `scan_blocks`: the blocks a scan grid may spread its tokens over (they
 // take up to kWarps tokens each).
-inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most, int64_t variant,
-                             int64_t scan_blocks) {
+inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most, int64_t scan_blocks) {
   AppendPlan p;
-  const bool previous = variant == kVariantPrevious;
-  if (previous && T <= kSmallCall) {
-    p.mode = AppendMode::kSmall;
-    return p;
-  }
-  const int64_t scan_call = variant == kVariantAlternative ? kScanCallAlternative : kScanCall;
-  if (!previous && T <= scan_call) {
+  if (T <= kScanCall) {
     p.mode = AppendMode::kScan;
     const int64_t spread = scan_blocks < 1 ? 1 : scan_blocks;
     int64_t per = (T + spread - 1) / spread;
@@ -120,10 +106,10 @@ inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most, int64_t variant
     p.blocks = static_cast<unsigned>(blocks < 1 ? 1 : (blocks > spread ? spread : blocks));
     return p;
   }
-  const int tokens = previous || T >= kClusterCall ? kTokensPerBlock : kRunTokensPerBlock;
+  const int tokens = T >= kClusterCall ? kTokensPerBlock : kRunTokensPerBlock;
   int64_t want = (T + tokens - 1) / tokens;
   want = want < 1 ? 1 : (want > most ? most : want);
-  if (!previous && T < kClusterCall) p.cluster = 1;
+  if (T < kClusterCall) p.cluster = 1;
   else p.cluster = want >= kMaxCluster ? kMaxCluster : want >= 4 ? 4 : want >= 2 ? 2 : 1;
   p.blocks = static_cast<unsigned>((want + p.cluster - 1) / p.cluster * p.cluster);
   const int64_t words = (R + 31) / 32;
@@ -145,9 +131,9 @@ inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most, int64_t variant
 // device and cluster size, with the most shared memory a plan takes
 // (registers, not shared memory, bound these blocks).
 template <auto kKernel, int kBlocksPerSm>
-AppendPlan FitAppendPlan(int64_t T, int64_t R, int64_t variant, int64_t scan_blocks) {
+AppendPlan FitAppendPlan(int64_t T, int64_t R, int64_t scan_blocks) {
   const int64_t most = int64_t{kBlocksPerSm} * cuda::SmCount();
-  AppendPlan p = PlanAppend(T, R, most, variant, scan_blocks);
+  AppendPlan p = PlanAppend(T, R, most, scan_blocks);
   if (p.cluster <= 1) return p;
   static std::atomic<int> fits[64][4];  // device x cluster 1, 2, 4, 8; 0: not asked yet
   int dev = 0;
@@ -160,7 +146,7 @@ AppendPlan FitAppendPlan(int64_t T, int64_t R, int64_t variant, int64_t scan_blo
     fits[dev][c].store(clusters > 0 ? clusters : -1, std::memory_order_relaxed);
   }
   const int64_t fit = int64_t{clusters} * p.cluster;
-  if (fit >= p.cluster && fit < p.blocks) p = PlanAppend(T, R, fit, variant, scan_blocks);
+  if (fit >= p.cluster && fit < p.blocks) p = PlanAppend(T, R, fit, scan_blocks);
   return p;
 }
 
@@ -168,10 +154,6 @@ AppendPlan FitAppendPlan(int64_t T, int64_t R, int64_t variant, int64_t scan_blo
 struct AppendShared {
   int out_of_shape;      // set by any block of the cluster that finds the call not grouped
   int first_pass, last_pass;
-  // AppendSmall's view of the call: slot (-1 if the token is dropped) and
-  // position of each row, and whether its row is finite
-  int32_t small_slot[kSmallCall], small_pos[kSmallCall];
-  uint8_t small_finite[kSmallCall];
 };
 
 // The blocks of this block's cluster; a launch without clusters is a cluster
@@ -473,68 +455,12 @@ __device__ inline void AppendScan(const AppendArgs& a, const AppendPlan& plan, u
   }
 }
 
-// ---- small calls (kVariantPrevious) ---------------------------------------------------------
-// T <= kSmallCall rows in one block: each warp loads its rows (all at once),
-// the block shares every row's cell and finiteness through shared memory,
-// and a token's warp writes its cell unless a finite row of the same cell
-// has a larger position, or the same one later in the call. Any order; one
-// barrier; nothing scans more than the call's own 64 rows.
-__device__ inline void AppendSmall(const AppendArgs& a, AppendShared& sh) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  cuda::WaitForPrevious();
-  Row rows[kSmallPerWarp];
-#pragma unroll
-  for (int j = 0; j < kSmallPerWarp; ++j)
-    if (warp + j * kWarps < a.T) rows[j] = LoadRow(a, warp + j * kWarps);
-  int32_t s = -1, p = 0;
-  if (tid < a.T) {
-    s = __ldg(a.slot + tid);
-    p = __ldg(a.pos + tid);
-  }
-  int64_t l;
-  if (!cuda::LayerOkCountedBy(true, a.layer, a.L, a.errors, &l)) return;  // block-uniform
-  const bool slot_ok = s >= 0 && s < a.R, valid = slot_ok && p >= 0 && p < a.max_context;
-  if (tid < kSmallCall) {  // warps 0 and 1: one row a thread
-    cuda::WarpCount(a.errors, kBadSlot, !slot_ok && s != -1);
-    cuda::WarpCount(a.errors, kBadPosition, slot_ok && !valid);
-    sh.small_slot[tid] = valid ? s : -1;
-    sh.small_pos[tid] = p;
-  }
-  __syncthreads();  // every row's slot before the finiteness count reads it
-  int nonfinite = 0;
-#pragma unroll
-  for (int j = 0; j < kSmallPerWarp; ++j) {
-    const int t = warp + j * kWarps;
-    if (t >= a.T) break;
-    const bool finite = WarpFinite(rows[j]);
-    nonfinite += !finite && sh.small_slot[t] >= 0;
-    if (lane == 0) sh.small_finite[t] = finite;
-  }
-  if (lane == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < kSmallPerWarp; ++j) {
-    const int t = warp + j * kWarps;
-    if (t >= a.T) break;
-    const int32_t st = sh.small_slot[t], pt = sh.small_pos[t];
-    if (st < 0 || !sh.small_finite[t]) continue;  // warp-uniform
-    bool beaten = false;
-    for (int u = lane; u < a.T; u += 32) {
-      const int32_t pu = sh.small_pos[u];
-      beaten |= sh.small_slot[u] == st && sh.small_finite[u] &&
-                ((pu ^ pt) & (kWindow - 1)) == 0 && (pu > pt || (pu == pt && u > t));
-    }
-    if (!__any_sync(cuda::kFull, beaten)) WriteEntry(a, l, st, pt, rows[j]);
-  }
-}
-
 // ---- the role ----------------------------------------------------------------------------
 // Block `block` of the plan's append blocks: `smem` is plan.smem bytes of
 // dynamic shared memory (the bitmap, then the any-order table).
 __device__ inline void AppendBlock(const AppendArgs& a, const AppendPlan& plan, unsigned block,
                                    unsigned char* smem, AppendShared& sh) {
   if (plan.mode == AppendMode::kScan) return AppendScan(a, plan, block);
-  if (plan.mode == AppendMode::kSmall) return AppendSmall(a, sh);
   const Cluster c{plan.cluster, block % plan.cluster};
   uint32_t* bitmap = reinterpret_cast<uint32_t*>(smem);
   for (int64_t i = threadIdx.x; i < plan.bitmap_words; i += kThreads) bitmap[i] = 0u;

@@ -71,78 +71,6 @@ __device__ __forceinline__ float WarpSumSquares(const float* xs, int d) {
   return __shfl_sync(cuda::kFull, part, 0);
 }
 
-// ---- the epilogue as it was before BlockCloseEntry (kVariantPrevious only) ----------
-// The epilogue of docs/design.md §3 on a d-channel row held one channel per thread
-// (threads >= d only take part in the barriers). `v` is this thread's pooled
-// value; on return xs[0..d) holds the bf16-valued row to store.
-__device__ inline void BlockEpilogue(float v, int d, const float* norm, const float* inv_freq,
-                              int64_t pos, float* xs, float* ss) {
-  const int c = threadIdx.x;
-  const bool active = c < d;
-  if (active) {
-    v = num::RoundBf16(v);
-    xs[c] = v;
-  }
-  __syncthreads();
-  if (c < 32) {
-    // the 32 strided partial sums of num::SumSquares, then its halving fold
-    float part = 0.f;
-    for (int k = c; k < d; k += 32) part = part + xs[k] * xs[k];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) part = part + __shfl_down_sync(cuda::kFull, part, off);
-    if (c == 0) *ss = part;
-  }
-  __syncthreads();
-  if (active) {
-    const float inv = num::RmsInvFromSumSquares(*ss, d);
-    v = num::RoundBf16((v * inv) * __ldg(norm + c));
-    xs[c] = v;
-  }
-  __syncthreads();
-  const int r0 = d - kRopeDim;
-  const bool rope = active && c >= r0;
-  if (rope) {
-    const int k = (c - r0) >> 1;
-    float y0, y1;
-    num::RopePair(xs[r0 + 2 * k], xs[r0 + 2 * k + 1],
-                  static_cast<float>(pos) * __ldg(inv_freq + k), &y0, &y1);
-    v = num::RoundBf16((c & 1) ? y1 : y0);
-  }
-  __syncthreads();
-  if (rope) xs[c] = v;
-  __syncthreads();
-}
-
-// Warp 0 stores the main entry held in xs.
-__device__ inline void StoreEntry(const EntryPool& pool, int64_t e, const float* xs) {
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  float lo[8], hi[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    lo[i] = xs[8 * lane + i];
-    hi[i] = xs[256 + 8 * lane + i];
-  }
-  cuda::WarpEncodeEntry(pool, e, lo, hi);
-}
-
-// Hadamard, bf16 rounding and MXFP4 of the indexer key in ix (threads 0..127
-// hold a channel; all threads reach the barriers).
-__device__ inline void StoreIndexKey(const FlushArgs& a, int64_t e, float* ix) {
-  const int c = threadIdx.x;
-  for (int h = 1; h < kIndexDim; h <<= 1) {
-    if (c < kIndexDim / 2) {
-      const int j = (c / h) * 2 * h + (c % h);
-      const float x0 = ix[j], x1 = ix[j + h];
-      ix[j] = x0 + x1;
-      ix[j + h] = x0 - x1;
-    }
-    __syncthreads();
-  }
-  if (c < kIndexDim) StoreMxfp4Block(a, e, c >> 5, ix[c]);
-  __syncthreads();
-}
-
 // ---- the epilogue, main entry and indexer key together ------------------------------
 // The RoPE step of a channel held one a lane (channel c on lane c mod 32):
 // channels c and c ^ 1 form a pair in one warp, so the partner's value comes
@@ -318,8 +246,7 @@ struct MaskRows {
 // order, under the rule of ffi/flush.h (expected positions p0 + k): the
 // request's accumulators and t0's operands are loaded first, then `rows`
 // decides whether t0 is the request's first row (else nothing happens).
-// kPrevious: the epilogue as it was (BlockEpilogue; kVariantPrevious).
-template <bool kCsa, bool kPrevious = false, typename Rows>
+template <bool kCsa, typename Rows>
 __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0, int64_t p0,
                             FlushShared& sh, const Rows& rows) {
   const int c = threadIdx.x;
@@ -443,19 +370,7 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     }
     if (cin.block < 0) continue;  // no block to store the entry in (block-uniform)
     const int64_t e = (l * a.N + cin.block) * a.per_block + w % a.per_block;
-    if constexpr (!kPrevious) {
-      BlockCloseEntry<kCsa>(a, e, pooled, ipooled, w * m, sh);
-    } else {
-      BlockEpilogue(pooled, kHeadDim, mv.norm, mv.inv_freq, w * m, sh.x, &sh.ss[0]);
-      StoreEntry(a.pool, e, sh.x);
-      if (kCsa) {
-        BlockEpilogue(ipooled, kIndexDim, a.index.norm, a.index.inv_freq, w * m, sh.ix,
-                      &sh.ss[1]);
-        StoreIndexKey(a, e, sh.ix);  // ends with a barrier
-      } else {
-        __syncthreads();  // StoreEntry read sh.x
-      }
-    }
+    BlockCloseEntry<kCsa>(a, e, pooled, ipooled, w * m, sh);
   }
   if (!touched) return;
   cur_row.Store(c, cur);
@@ -470,13 +385,12 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
 // the role's `blocks` blocks grid-stride (`block` is this one's index).
 // A call of at most kThreads rows (decode) finds a request's rows by
 // MaskRows, and every load that needs only row indices (the layer, the
-// call's slots, t0's slot and position) is issued before the layer check;
-// kPrevious (kVariantPrevious): the block code as it was, which searched.
-template <bool kCsa, bool kPrevious = false>
+// call's slots, t0's slot and position) is issued before the layer check.
+template <bool kCsa>
 __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, FlushShared& sh) {
   cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
-  if (!kPrevious) cuda::LetNextStart();  // a kernel launched overlapped after this one waits
-  const bool masked = !kPrevious && a.T <= kThreads;
+  cuda::LetNextStart();     // a kernel launched overlapped after this one waits
+  const bool masked = a.T <= kThreads;
   const int32_t my_slot =
       masked && threadIdx.x < a.T ? __ldg(a.slot + threadIdx.x) : int32_t{-1};
   const int64_t first = block;
@@ -502,7 +416,7 @@ __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, 
     int seen = 0;
     for (int64_t i = threadIdx.x; i < t0; i += blockDim.x) seen |= __ldg(a.slot + i) == s;
     if (__syncthreads_or(seen)) continue;
-    WalkRequest<kCsa, kPrevious>(a, l, s, t0, __ldg(a.pos + t0), sh, SearchRows{a, s, sh});
+    WalkRequest<kCsa>(a, l, s, t0, __ldg(a.pos + t0), sh, SearchRows{a, s, sh});
   }
 }
 

@@ -1,8 +1,8 @@
 // flush's window plan, one entry a warp (CSA): a warp folds the entry's 8
 // rows and runs its epilogue on its own, so a block has up to 16 entries in
 // flight and no block barrier on an entry's path. The arithmetic is the block
-// code's (flush_block.cuh: BlockEpilogue, StoreEntry, StoreIndexKey), bit for
-// bit: the same partial sums in the same order, the same butterflies.
+// code's (flush_block.cuh: BlockCloseEntry), bit for bit: the same partial
+// sums in the same order, the same butterflies.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -108,7 +108,7 @@ __device__ __forceinline__ void LoadWarpRow(const FlushArgs& a, int64_t t, int64
   r.finite = __all_sync(cuda::kFull, ok);
 }
 
-// BlockEpilogue's arithmetic on values a lane holds: `v[n]` of channels
+// BlockCloseEntry's epilogue on values a lane holds: `v[n]` of channels
 // ch(i) on entry, the bf16-valued row on return. RoPE pairs (2k, 2k+1) sit in
 // one lane, so only the norm's sum needs the row in `xs`.
 template <int n, typename Channel>
@@ -137,7 +137,7 @@ __device__ __forceinline__ void WarpEpilogue(float* v, int d, Channel ch, const 
   __syncwarp();  // xs is free again
 }
 
-// StoreIndexKey's Hadamard, bf16 rounding and MXFP4 of the indexer key held
+// BlockCloseEntry's Hadamard, bf16 rounding and MXFP4 of the indexer key held
 // as v[4] (channels 4L .. 4L+3), in the warp's `ix`.
 __device__ __forceinline__ void WarpStoreIndexKey(const FlushArgs& a, int64_t e, const float* v,
                                                   float* ix) {

@@ -19,7 +19,7 @@
 //     cores, keys streamed through a cp.async ring. The mxfp4 kernel is
 //     launched overlapped too, so its CTAs are in place when the kernel
 //     ahead of it (the layer's write, say) ends; it reads nothing before
-//     its wait (kVariantPrevious: an ordinary launch, as it was).
+//     its wait.
 //  2. SelectKernel (select.cuh), one block of 1024 threads a token, or a
 //     cluster of up to 8 past 16384 entries, launched so that it may start
 //     while the score kernel finishes (cuda::LaunchOverlapped; the mxfp4
@@ -58,10 +58,8 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
                            ffi::Result<ffi::AnyBuffer> indices,
                            ffi::Result<ffi::AnyBuffer> scratch,
                            ffi::Result<ffi::AnyBuffer> qscratch,
-                           ffi::Result<ffi::AnyBuffer> errors, int64_t q_format,
-                           int64_t variant) {
+                           ffi::Result<ffi::AnyBuffer> errors, int64_t q_format) {
   IndexerTopkArgs a;
-  DSV4_RETURN_IF_ERROR(CheckVariant(variant));
   DSV4_RETURN_IF_ERROR(ValidateIndexerTopk(layer, token_slot, token_pos, q, weights, block_table,
                                            errors_in, packed, scale, *indices, *scratch,
                                            *qscratch, *errors, q_format, &a));
@@ -89,15 +87,10 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
       const dim3 grid(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas));
       const bool evict_first = KeysEvictFirst(a.T, a.E, cuda::L2Bytes());
       const auto kernel = pairs ? ScoreKernelMxfp4<true> : ScoreKernelMxfp4<false>;
-      if (variant == kVariantPrevious) {
-        kernel<<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw, evict_first);
-      } else {
-        const cudaError_t e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), kRingBytes,
-                                                     1u, stream, a, tpw, evict_first);
-        if (e != cudaSuccess)
-          return ffi::Error::Internal(std::string("indexer_topk launch: ") +
-                                      cudaGetErrorString(e));
-      }
+      const cudaError_t e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), kRingBytes,
+                                                   1u, stream, a, tpw, evict_first);
+      if (e != cudaSuccess)
+        return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(e));
     } else if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)

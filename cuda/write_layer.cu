@@ -12,8 +12,6 @@
 // (cuda/flush_windows.cuh) in a second one. A decode-sized call's append
 // role is a scan grid (a warp a token) spread over the multiprocessors the
 // flush role leaves, so both roles run side by side in one wave.
-// kVariantPrevious launches the roles as they were before (append in one
-// block at decode sizes, flush's searched rows and separate epilogues).
 #include <cuda_runtime.h>
 
 #include "append_block.cuh"
@@ -31,7 +29,7 @@ static_assert(kThreads == flush_kernel::kThreads, "both roles run 512-thread blo
 constexpr int kScanTokensPerWarp = 4;
 constexpr int kScanTokensPerBlock = kScanTokensPerWarp * append_kernel::kWarps;
 
-template <bool kCsa, bool kPrevious>
+template <bool kCsa>
 __global__ void __launch_bounds__(kThreads, 1)
     WriteLayerKernel(AppendArgs a, append_kernel::AppendPlan plan, FlushArgs f) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -40,13 +38,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (blockIdx.x < plan.blocks)
     append_kernel::AppendBlock(a, plan, blockIdx.x, smem, append_sh);
   else
-    flush_kernel::FlushBlock<kCsa, kPrevious>(f, blockIdx.x - plan.blocks,
-                                              gridDim.x - plan.blocks, flush_sh);
+    flush_kernel::FlushBlock<kCsa>(f, blockIdx.x - plan.blocks, gridDim.x - plan.blocks,
+                                   flush_sh);
 }
 
-template <bool kCsa, bool kPrevious>
-ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, int64_t variant,
-                            const char* what) {
+template <bool kCsa>
+ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, const char* what) {
   const bool prefill = flush_kernel::UseWindowPlan(w.flush.T, w.flush.R);
   const int64_t flush_want = prefill ? 0 : flush_kernel::FlushGrid(w.flush.T);
   // a scan role takes the multiprocessors the flush role leaves, so that
@@ -56,21 +53,20 @@ ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, int64_
   const int64_t spare = cuda::SmCount() - flush_want;
   const int64_t least = (w.append.T + kScanTokensPerBlock - 1) / kScanTokensPerBlock;
   const append_kernel::AppendPlan plan =
-      append_kernel::FitAppendPlan<WriteLayerKernel<kCsa, kPrevious>, 1>(
-          w.append.T, w.append.R, variant, spare > least ? spare : least);
+      append_kernel::FitAppendPlan<WriteLayerKernel<kCsa>, 1>(w.append.T, w.append.R,
+                                                              spare > least ? spare : least);
   const unsigned k = plan.cluster;
   // flush blocks rounded up to whole clusters (the extra ones share the rows);
   // none in a prefill call, whose flush is the second launch
   const unsigned flush_blocks = static_cast<unsigned>((flush_want + k - 1) / k * k);
   const cudaError_t err =
-      cuda::LaunchOverlapped(WriteLayerKernel<kCsa, kPrevious>, dim3(plan.blocks + flush_blocks),
+      cuda::LaunchOverlapped(WriteLayerKernel<kCsa>, dim3(plan.blocks + flush_blocks),
                              dim3(kThreads), plan.smem, k, stream, w.append, plan, w.flush);
   if (err != cudaSuccess || !prefill) return cuda::LaunchResult(err, what);
   return cuda::LaunchResult(flush_kernel::LaunchFlushPlan<kCsa>(stream, w.flush), what);
 }
 
 ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                             int64_t variant,
                              ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
                              ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                              ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
@@ -80,18 +76,14 @@ ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
                              ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table,
                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(CheckVariant(variant));
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(
       kv_format, max_context, window_layer, layer, token_slot, token_pos, kv, comp_kv,
       comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
       index_inv_freq, block_table, args, rets, &w));
-  return variant == kVariantPrevious
-             ? LaunchWriteLayer<true, true>(stream, w, variant, "write_layer_csa")
-             : LaunchWriteLayer<true, false>(stream, w, variant, "write_layer_csa");
+  return LaunchWriteLayer<true>(stream, w, "write_layer_csa");
 }
 
 ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                             int64_t variant,
                              ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
                              ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                              ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
@@ -99,13 +91,10 @@ ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
                              ffi::AnyBuffer block_table, ffi::RemainingArgs args,
                              ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(CheckVariant(variant));
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, window_layer, layer,
                                              token_slot, token_pos, kv, comp_kv, comp_score, ape,
                                              norm, inv_freq, block_table, args, rets, &w));
-  return variant == kVariantPrevious
-             ? LaunchWriteLayer<false, true>(stream, w, variant, "write_layer_hca")
-             : LaunchWriteLayer<false, false>(stream, w, variant, "write_layer_hca");
+  return LaunchWriteLayer<false>(stream, w, "write_layer_hca");
 }
 
 }  // namespace

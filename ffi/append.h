@@ -1,6 +1,6 @@
 // append: the step's tokens into the sliding window of one layer.
 // Operands and per-token rules: dsv4_jax/ops/append.py (target "dsv4_append").
-//   attrs kv_format, max_context, variant (dsv4/ffi_checks.h)
+//   attrs kv_format, max_context
 //   args  layer s32[], token_slot s32[T], token_pos s32[T], kv bf16[T,512],
 //         swa.pos s32[L,R,128], errors s32[8], entry leaves [L,R,128,...]
 //   rets  swa.pos, errors, entry leaves (aliased, same order)
@@ -32,7 +32,6 @@ auto BindAppend(Binding binding) {
   return std::move(binding)
       .template Attr<int64_t>("kv_format")
       .template Attr<int64_t>("max_context")
-      .template Attr<int64_t>("variant")
       .template Arg<ffi::AnyBuffer>()  // layer
       .template Arg<ffi::AnyBuffer>()  // token_slot
       .template Arg<ffi::AnyBuffer>()  // token_pos

@@ -8,8 +8,7 @@
 //         qscratch u8[T,Q] (the MXFP4 query: Q = kQueryScratchBytes for
 //         q_format 1, else 0; the CPU handler's working memory, unused on
 //         CUDA), errors (aliased)
-//   attrs q_format (0 = bf16 query, 1 = query rounded to MXFP4), variant
-//         (dsv4/ffi_checks.h)
+//   attrs q_format (0 = bf16 query, 1 = query rounded to MXFP4)
 #pragma once
 
 #include <cstdint>
@@ -56,8 +55,7 @@ auto BindIndexerTopk(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // scratch
       .template Ret<ffi::AnyBuffer>()  // qscratch
       .template Ret<ffi::AnyBuffer>()  // errors
-      .template Attr<int64_t>("q_format")
-      .template Attr<int64_t>("variant");
+      .template Attr<int64_t>("q_format");
 }
 
 inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,

@@ -18,10 +18,8 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                            ffi::Result<ffi::AnyBuffer> indices,
                            ffi::Result<ffi::AnyBuffer> scratch,
                            ffi::Result<ffi::AnyBuffer> qscratch,
-                           ffi::Result<ffi::AnyBuffer> errors, int64_t q_format,
-                           int64_t variant) {
+                           ffi::Result<ffi::AnyBuffer> errors, int64_t q_format) {
   IndexerTopkArgs a;
-  DSV4_RETURN_IF_ERROR(CheckVariant(variant));
   DSV4_RETURN_IF_ERROR(ValidateIndexerTopk(layer, token_slot, token_pos, q, weights, block_table,
                                            errors_in, packed, scale, *indices, *scratch,
                                            *qscratch, *errors, q_format, &a));

@@ -3,7 +3,7 @@
 // "dsv4_write_layer_hca"). The operands are append's followed by flush's,
 // each checked by that op's own validation, so a bad operand is reported as
 // append or flush reports it (projections named comp_kv / comp_score here).
-//   attrs kv_format, max_context, variant (dsv4/ffi_checks.h)
+//   attrs kv_format, max_context
 //   args  window_layer s32[], layer s32[], token_slot s32[T], token_pos s32[T],
 //         kv bf16[T,512], comp_kv, comp_score, ape, norm, inv_freq,
 //         [CSA: index_kv, index_score, index_ape, index_norm, index_inv_freq,]
@@ -32,7 +32,6 @@ auto BindWriteLayer(Binding binding) {
   return BindCompressorArgs<kCsa>(std::move(binding)
                                       .template Attr<int64_t>("kv_format")
                                       .template Attr<int64_t>("max_context")
-                                      .template Attr<int64_t>("variant")
                                       .template Arg<ffi::AnyBuffer>()   // window_layer
                                       .template Arg<ffi::AnyBuffer>()   // layer
                                       .template Arg<ffi::AnyBuffer>()   // token_slot

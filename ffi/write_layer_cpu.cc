@@ -14,8 +14,7 @@ void WriteLayerOnHost(const WriteLayerArgs& w, void (*flush)(const FlushArgs&, i
   if (HostLayerOk(w.flush.layer, w.flush.L, w.flush.errors, &l)) flush(w.flush, l);
 }
 
-ffi::Error WriteLayerCsaImpl(int64_t kv_format, int64_t max_context, int64_t variant,
-                             ffi::AnyBuffer window_layer,
+ffi::Error WriteLayerCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer window_layer,
                              ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                              ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv,
                              ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
@@ -25,7 +24,6 @@ ffi::Error WriteLayerCsaImpl(int64_t kv_format, int64_t max_context, int64_t var
                              ffi::AnyBuffer block_table, ffi::RemainingArgs args,
                              ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(CheckVariant(variant));
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(
       kv_format, max_context, window_layer, layer, token_slot, token_pos, kv, comp_kv,
       comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
@@ -34,15 +32,13 @@ ffi::Error WriteLayerCsaImpl(int64_t kv_format, int64_t max_context, int64_t var
   return ffi::Error::Success();
 }
 
-ffi::Error WriteLayerHcaImpl(int64_t kv_format, int64_t max_context, int64_t variant,
-                             ffi::AnyBuffer window_layer,
+ffi::Error WriteLayerHcaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer window_layer,
                              ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                              ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv,
                              ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
                              ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table,
                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(CheckVariant(variant));
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, window_layer, layer,
                                              token_slot, token_pos, kv, comp_kv, comp_score, ape,
                                              norm, inv_freq, block_table, args, rets, &w));

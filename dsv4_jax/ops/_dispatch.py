@@ -39,37 +39,6 @@ def default_impl(impl: str):
         _default_impl = saved
 
 
-# The CUDA kernels' "variant" attribute (append, write_layer, indexer_topk):
-# 0 lets each handler choose its kernels by shape, as every op call does;
-# the other values force another choice of the same handler, for the tests
-# that cover each path and for before/after measurements in one run:
-# VARIANT_PREVIOUS is the kernels as they were before the decode-step work
-# (docs/perf/decode-step.md), VARIANT_ALTERNATIVE a second design where one
-# is being measured. The CPU handlers take the attribute and ignore it.
-VARIANT_DEFAULT, VARIANT_PREVIOUS, VARIANT_ALTERNATIVE = 0, 1, 2
-_variant = VARIANT_DEFAULT
-
-
-@contextlib.contextmanager
-def kernel_variant(variant: int):
-    """Within the block, ops pass `variant` to their FFI targets' "variant"
-    attribute (read at trace time, like `default_impl`). For tests and
-    measurements only: results are the same bits whatever the variant."""
-    global _variant
-    if variant not in (VARIANT_DEFAULT, VARIANT_PREVIOUS, VARIANT_ALTERNATIVE):
-        raise ValueError(f"variant: expected 0, 1 or 2, got {variant!r}")
-    saved, _variant = _variant, variant
-    try:
-        yield
-    finally:
-        _variant = saved
-
-
-def variant_now() -> int:
-    """The "variant" attribute an op passes now (see kernel_variant)."""
-    return _variant
-
-
 def auto_means() -> str:
     """What impl="auto" stands for now: "auto", or what `default_impl` /
     DSV4_JAX_IMPL set."""

@@ -1,8 +1,7 @@
 """append: new tokens' KV into the sliding window of a layer (docs/design.md §3, §6).
 
 FFI target "dsv4_append" (operands in this order):
-  attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128), variant (0; see
-         ops/_dispatch.py kernel_variant)
+  attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128)
   args   layer i32[] (global index, -1 = bad), token_slot i32[T], token_pos i32[T],
          kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[8],
          swa.kv.nope, swa.kv.rope[, swa.kv.scale]  (scale absent for bf16)
@@ -25,7 +24,7 @@ from .. import reference
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
-from ._dispatch import check_array, ffi_in_place, resolve_impl, variant_now
+from ._dispatch import check_array, ffi_in_place, resolve_impl
 from ._layer import layer_operand
 from ._shards import per_shard
 
@@ -83,6 +82,5 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     window, rebuild = append_ffi_operands(state)
     pos, errors, *entries = ffi_in_place(
         TARGET, [layer_idx, meta.token_slot, meta.token_pos, kv], [window[0], state.errors, *window[1:]],
-        kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context,
-        variant=variant_now())
+        kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
     return dataclasses.replace(rebuild(state, [pos, *entries]), errors=errors)

@@ -81,7 +81,7 @@ FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
         q_format 1, else u8[T, 0] (the CPU handler's rounded query;
         unused on CUDA, where each CTA rounds q into shared memory;
         discarded), errors (aliased when the state is returned)
-  attrs q_format 0 ("bf16") or 1 ("mxfp4"), variant (0; see ops/_dispatch.py kernel_variant)
+  attrs q_format 0 ("bf16") or 1 ("mxfp4")
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ import jax.numpy as jnp
 from .. import config as C
 from .. import reference
 from ..state import CacheState, check_state
-from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl, variant_now
+from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
 from ._shards import per_shard
 
@@ -168,8 +168,7 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
              jax.ShapeDtypeStruct((T, E), jnp.uint32),
              jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            errors_alias(6, 3, return_state), q_format=Q_FORMATS[q_format],
-            variant=variant_now())
+            errors_alias(6, 3, return_state), q_format=Q_FORMATS[q_format])
     if not return_state:
         return indices
     return indices, dataclasses.replace(state, errors=errors)

@@ -14,7 +14,7 @@ operands).
 
 FFI targets (operands in this order):
 "dsv4_write_layer_csa"
-  attrs  kv_format, max_context, variant (0; see ops/_dispatch.py kernel_variant)
+  attrs  kv_format, max_context
   args   window_layer i32[] (global index, -1 = bad), layer i32[] (CSA index, -1 = bad),
          token_slot i32[T], token_pos i32[T], kv bf16[T, 512],
          comp_kv f32[T, 1024], comp_score f32[T, 1024], ape f32[4, 1024], norm f32[512],
@@ -26,7 +26,7 @@ FFI targets (operands in this order):
          csa.kv.nope, csa.kv.rope[, csa.kv.scale]
   rets   the aliased buffers, same order.
 "dsv4_write_layer_hca"
-  attrs  kv_format, max_context, variant
+  attrs  kv_format, max_context
   args   window_layer i32[], layer i32[] (HCA index), token_slot, token_pos,
          kv bf16[T, 512], comp_kv f32[T, 512], comp_score f32[T, 512],
          ape f32[128, 512], norm f32[512], inv_freq f32[32], block_table i32[R, MB],
@@ -45,7 +45,7 @@ from .. import reference
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..state import CacheState
-from ._dispatch import ffi_in_place, resolve_impl, variant_now
+from ._dispatch import ffi_in_place, resolve_impl
 from ._layer import layer_operand
 from ._shards import per_shard
 from .append import append, append_ffi_operands, check_append_args
@@ -114,5 +114,5 @@ def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
                                                     index_kv, index_score)
     out = ffi_in_place(target, [window_idx, layer_idx, slot, pos, kv, *inputs],
                        [*window, *aliased], kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
-                       max_context=cfg.max_context, variant=variant_now())
+                       max_context=cfg.max_context)
     return put_window(put_flush(out[len(window):]), out[:len(window)])

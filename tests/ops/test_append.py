@@ -92,7 +92,7 @@ def append_call(st, kv=None, layer=None, entries=None, pos=None, **attrs):
     pos = st.swa.pos if pos is None else pos
     aliased = [pos, st.errors, *entries]
     args = [layer, jnp.zeros(T, jnp.int32), jnp.arange(T, dtype=jnp.int32), kv, *aliased]
-    attrs = {"kv_format": 0, "max_context": 256, "variant": 0, **attrs}
+    attrs = {"kv_format": 0, "max_context": 256, **attrs}
     return call("dsv4_append", args, aliased, {4 + i: i for i in range(len(aliased))}, **attrs)
 
 

@@ -101,7 +101,7 @@ def test_reference_scores_bit_exact_mxfp4():
 
 def handler_scratch(impl, st, slot, pos, q, w, q_format):
     """The handler's scratch result (rank keys of every entry), poisoned first."""
-    from dsv4_jax.ops._dispatch import ffi_call, variant_now
+    from dsv4_jax.ops._dispatch import ffi_call
     from dsv4_jax.ops.indexer import QUERY_SCRATCH_BYTES, Q_FORMATS as ATTR
     T = len(slot)
     E = st.config.max_blocks_per_request * 32
@@ -114,7 +114,7 @@ def handler_scratch(impl, st, slot, pos, q, w, q_format):
                          jax.ShapeDtypeStruct((T, E), jnp.uint32),
                          jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
                          jax.ShapeDtypeStruct((8,), jnp.int32)], {6: 3},
-                        q_format=ATTR[q_format], variant=variant_now())
+                        q_format=ATTR[q_format])
     args = jax.device_put((st, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q),
                            jnp.asarray(w)), jax.devices(impl)[0])
     return np.asarray(jax.jit(call)(*args)[1])

@@ -16,8 +16,6 @@ import pytest
 import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as K
-from dsv4_jax.ops._dispatch import (VARIANT_ALTERNATIVE, VARIANT_DEFAULT, VARIANT_PREVIOUS,
-                                    kernel_variant)
 
 from dsv4_jax.workload import Flips, compare_states, layer_params, step_inputs
 from support.harness import poison
@@ -420,22 +418,15 @@ def _append_cases():
     return cases
 
 
-# every format with the kernels chosen by shape; each other kernel choice
-# (the scan up to 4096 rows, the kernels before it) in one format
-_APPEND_CHOICES = [(fmt, VARIANT_DEFAULT) for fmt in FORMATS] + [
-    ("ds_fp8", VARIANT_ALTERNATIVE), ("ds_fp8", VARIANT_PREVIOUS)]
-
-
 @pytest.mark.parametrize("case", _append_cases(), ids=lambda c: c[0])
-@pytest.mark.parametrize("fmt, variant", _APPEND_CHOICES)
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=CUDA)])
-def test_cuda_append_matches_cpu(case, fmt, variant, mark):
+def test_cuda_append_matches_cpu(case, fmt, mark):
     """The CUDA append kernel's paths (the per-token scan of a call of at most
-    1024 rows, or 4096 under the alternative variant; the shape check with
-    or without clusters, then grouped runs or any order; the one-block
-    kernel of the previous variant) and their edge cases, byte for byte
-    against the CPU handler (called eagerly on CPU arrays); two layers, so
-    layer 1 of the first call stays as the second call finds it."""
+    1024 rows; above, the shape check, with clusters from 16384 rows, then
+    grouped runs or any order) and their edge cases, byte for byte against
+    the CPU handler (called eagerly on CPU arrays); two layers, so layer 1
+    of the first call stays as the second call finds it."""
     _, nreq, slot, pos, nan_rows = case
     cfg = C.CacheConfig.tiny(max_requests=nreq, max_context=8192, num_blocks=8, kv_format=fmt)
     rng = np.random.default_rng(len(slot))
@@ -446,9 +437,8 @@ def test_cuda_append_matches_cpu(case, fmt, variant, mark):
     outs = {}
     for impl in ("cuda", "cpu"):
         st, m, x = _on(impl, (fresh_state(cfg), meta, jnp.asarray(kv)))
-        with kernel_variant(variant):
-            for layer in (1, 3):
-                st = dj.append(st, layer, m, x, impl=impl)
+        for layer in (1, 3):
+            st = dj.append(st, layer, m, x, impl=impl)
         outs[impl] = jax.device_get(st)
     assert_trees_bytes_equal(outs["cuda"], outs["cpu"])
     good_slot = (slot >= 0) & (slot < nreq)
@@ -480,7 +470,7 @@ def test_ffi_operands_checked_as_append_and_flush_check_them():
         f = jax.ffi.ffi_call("dsv4_write_layer_hca",
                              [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased],
                              input_output_aliases={11 + i: i for i in range(len(aliased))})
-        return jax.block_until_ready(f(*args, kv_format=np.int64(0), variant=np.int64(0),
+        return jax.block_until_ready(f(*args, kv_format=np.int64(0),
                                        max_context=np.int64(cfg.max_context)))
 
     out = call()

@@ -74,20 +74,6 @@ inline ffi::Error CheckBuffer(const char* name, const ffi::AnyBuffer& b, ffi::Da
   return CheckDims(name, b.dimensions(), std::move(expected));
 }
 
-// The "variant" attribute of append, write_layer and indexer_topk: 0 lets
-// the CUDA handler choose its kernels by shape (what the ops pass); the
-// other values force another choice of the same handler, for the tests that
-// cover every path and for before/after measurements in one run
-// (dsv4_jax/ops/_dispatch.py kernel_variant). Results do not depend on it;
-// the CPU handlers check it and do nothing else with it.
-constexpr int64_t kVariantDefault = 0;
-constexpr int64_t kVariantPrevious = 1;     // the kernels before the decode-step work
-constexpr int64_t kVariantAlternative = 2;  // a second design under measurement
-inline ffi::Error CheckVariant(int64_t variant) {
-  if (variant >= kVariantDefault && variant <= kVariantAlternative) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument("variant: expected 0, 1 or 2, got " + std::to_string(variant));
-}
-
 // CPU handlers: the layer operand (-1 or out of range = a bad traced layer)
 // counts BAD_LAYER once and the call then changes nothing else.
 inline bool HostLayerOk(const int32_t* layer, int64_t num_layers, int32_t* errors, int64_t* l) {
