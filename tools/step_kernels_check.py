@@ -1,15 +1,11 @@
-"""Device times of the decode step's cache kernels, before and after, in one
-run: indexer_topk (score kernel, the select's tail after it, the call's
-span), append at 1 .. 64k rows beside the original PyTorch kernel, and
-write_layer at B = 64 on a CSA, an HCA and an SWA layer; also write_layer
-then indexer_topk on one CSA layer, as a step runs them (what the
-overlapped launches change between two of the library's calls).
-
-"Before" and "after" are the same build: the ops' "variant" attribute
-(dsv4_jax/ops/_dispatch.py kernel_variant) forces the kernels as they were
-(1) or lets the handler choose (0); 2 is append's alternative (the per-token
-scan up to 4096 rows). Times are kernel durations on the GPU's own timeline
-(CUPTI through jax.profiler), medians over the traced calls.
+"""Device times of the decode step's cache kernels in one run, against
+their targets (docs/perf/decode-step.md): indexer_topk (score kernel, the
+select's tail after it, the call's span), append at 1 .. 64k rows beside the
+original PyTorch kernel, and write_layer at B = 64 on a CSA, an HCA and an
+SWA layer; also write_layer then indexer_topk on one CSA layer, as a step
+runs them (what the overlapped launches change between two of the library's
+calls). Times are kernel durations on the GPU's own timeline (CUPTI through
+jax.profiler), medians over the traced calls.
 
     python tools/step_kernels_check.py [--json PATH] [--peers .peers] [--quick] [--pair-only]
 
@@ -28,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
 import statistics
@@ -45,14 +40,11 @@ sys.path.insert(0, ROOT)
 
 import dsv4_jax as dj  # noqa: E402
 from dsv4_jax import config as C  # noqa: E402
-from dsv4_jax.ops._dispatch import (VARIANT_ALTERNATIVE, VARIANT_DEFAULT,  # noqa: E402
-                                    VARIANT_PREVIOUS, kernel_variant)
+from dsv4_jax.bench.device_timeline import kernel_events  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from dsv4_jax.bench.device_timeline import kernel_events  # noqa: E402
+from append_original import workload as append_workload  # noqa: E402
 from bench_indexer import make_state as indexer_state  # noqa: E402
-
-VARIANTS = {"before": VARIANT_PREVIOUS, "after": VARIANT_DEFAULT}
 
 
 def durations(events, name):
@@ -65,7 +57,7 @@ def median(xs):
 
 
 # ---- indexer_topk ---------------------------------------------------------------------------
-def indexer_times(st, B, ctx, variant, calls=8):
+def indexer_times(st, B, ctx, calls=8):
     """Median score-kernel time, select tail (select end - score end), span
     (score start - select end) and period (score start to the next) of a
     jitted loop of `calls` calls on state `st` (the benchmark's: B requests
@@ -76,37 +68,27 @@ def indexer_times(st, B, ctx, variant, calls=8):
     q = jnp.asarray(rng.standard_normal((B, 64, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((B, 64)), jnp.float32)
 
-    with kernel_variant(variant):
-        @jax.jit
-        def loop(st):
-            idx = jnp.zeros((B, 512), jnp.int32)
-            for _ in range(calls):
-                i, st = dj.indexer_topk(st, 1, slot, pos, q, w, 512, return_state=True)
-                idx = idx + i
-            return idx, st
-        loop(st)[0].block_until_ready()
+    @jax.jit
+    def loop(st):
+        idx = jnp.zeros((B, 512), jnp.int32)
+        for _ in range(calls):
+            i, st = dj.indexer_topk(st, 1, slot, pos, q, w, 512, return_state=True)
+            idx = idx + i
+        return idx, st
+    loop(st)[0].block_until_ready()
     events = kernel_events(lambda: loop(st)[0])
     score, select = durations(events, "ScoreKernel"), durations(events, "SelectKernel")
     pairs = list(zip(score, select))
-    out = {"score_us": median([e - s for s, e in score]),
-           "select_tail_us": median([se - ce for (_, ce), (_, se) in pairs]),
-           "span_us": median([se - cs for (cs, _), (_, se) in pairs]),
-           "period_us": median([b[0] - a[0] for a, b in zip(score, score[1:])])}
-    return out
+    return {"score_us": median([e - s for s, e in score]),
+            "select_tail_us": median([se - ce for (_, ce), (_, se) in pairs]),
+            "span_us": median([se - cs for (cs, _), (_, se) in pairs]),
+            "period_us": median([b[0] - a[0] for a, b in zip(score, score[1:])])}
 
 
 # ---- append -----------------------------------------------------------------------------------
-def append_workload(T):
-    """The workload of the append-vs-original benchmark: R = T requests of one
-    token for T <= 64, else T // 128 requests of 128 consecutive tokens."""
-    R = T if T <= 64 else T // 128
-    per = T // R
-    slot = np.repeat(np.arange(R, dtype=np.int32), per)
-    pos = 4096 + np.tile(np.arange(per, dtype=np.int32), R)
-    return R, slot, pos
-
-
-def append_us(T, variant, fmt="ds_fp8"):
+def append_us(T, fmt="ds_fp8"):
+    """Median device time of one append at T rows, on the workload of
+    benchmarks/bench_append_vs_original.py."""
     R, slot, pos = append_workload(T)
     L = 8 if T <= 4096 else 2
     MB = 2 * 4096 // 128
@@ -118,9 +100,8 @@ def append_us(T, variant, fmt="ds_fp8"):
         for layer in range(L):
             st = dj.append(st, layer, meta, kv)
         return st
-    with kernel_variant(variant):
-        f = jax.jit(appends, donate_argnums=0)
-        box = [f(dj.init_state(cfg))]
+    f = jax.jit(appends, donate_argnums=0)
+    box = [f(dj.init_state(cfg))]
 
     def call():
         box[0] = f(box[0])
@@ -132,16 +113,12 @@ def append_us(T, variant, fmt="ds_fp8"):
 def original_append(rows, peers):
     """{T: device µs} of the original kernel, from the benchmark's own script
     run in a subprocess (torch and JAX never share a process), or a reason."""
-    script = (glob.glob(os.path.join(ROOT, "dsv4_jax", "bench", "append_original.py")) +
-              glob.glob(os.path.join(ROOT, "benchmarks", "**", "append_original.py"),
-                        recursive=True))
-    if not script:
-        return "append_original.py not found"
+    script = os.path.join(ROOT, "benchmarks", "append_original.py")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "o.json")
         env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
                    + os.environ.get("PATH", ""))
-        rc = subprocess.call([sys.executable, script[0], out, "--rows",
+        rc = subprocess.call([sys.executable, script, out, "--rows",
                               ",".join(map(str, rows)), "--peers", peers], env=env)
         if rc != 0 or not os.path.isfile(out):
             return f"the original's script exited with {rc}"
@@ -200,15 +177,15 @@ def write(st, x, kind):
     return dj.write_layer(st, layer, x["meta"], x["kv"], *x[kind], **extra)
 
 
-def write_layer_us(B, ctx, kind, variant, calls=6):
+def write_layer_us(B, ctx, kind, calls=6):
     x = step_inputs(B, ctx)
-    with kernel_variant(variant):
-        def loop(st):
-            for _ in range(calls):
-                st = write(st, x, kind)
-            return st
-        f = jax.jit(loop, donate_argnums=0)
-        box = [f(decode_state(B, ctx))]
+
+    def loop(st):
+        for _ in range(calls):
+            st = write(st, x, kind)
+        return st
+    f = jax.jit(loop, donate_argnums=0)
+    box = [f(decode_state(B, ctx))]
 
     def call():
         box[0] = f(box[0])
@@ -218,21 +195,20 @@ def write_layer_us(B, ctx, kind, variant, calls=6):
     return median([e - s for s, e in durations(events, name)])
 
 
-def write_then_indexer_us(B, ctx, variant, calls=6):
+def write_then_indexer_us(B, ctx, calls=6):
     """A CSA layer as a step runs it: write_layer, then indexer_topk at the
     same tokens. Median span from the write's start to the select's end."""
     x = step_inputs(B, ctx)
-    with kernel_variant(variant):
-        def loop(st):
-            acc = jnp.zeros((B, 512), jnp.int32)
-            for _ in range(calls):
-                st = write(st, x, "csa")
-                idx, st = dj.indexer_topk(st, 1, x["meta"].token_slot, x["meta"].token_pos,
-                                          x["q"], x["w"], 512, return_state=True)
-                acc = acc + idx
-            return st, acc
-        f = jax.jit(loop, donate_argnums=0)
-        box = [f(decode_state(B, ctx))[0]]
+    def loop(st):
+        acc = jnp.zeros((B, 512), jnp.int32)
+        for _ in range(calls):
+            st = write(st, x, "csa")
+            idx, st = dj.indexer_topk(st, 1, x["meta"].token_slot, x["meta"].token_pos,
+                                      x["q"], x["w"], 512, return_state=True)
+            acc = acc + idx
+        return st, acc
+    f = jax.jit(loop, donate_argnums=0)
+    box = [f(decode_state(B, ctx))[0]]
 
     def call():
         box[0], acc = f(box[0])
@@ -270,35 +246,31 @@ def main(argv=None):
         indexer_cases = []
     for B, ctx, target in indexer_cases[:1] if args.quick else indexer_cases:
         st = indexer_state(B, ctx)
-        t = {k: indexer_times(st, B, ctx, v) for k, v in VARIANTS.items()}
+        t = indexer_times(st, B, ctx)
         del st
         for part in ("score_us", "select_tail_us", "span_us", "period_us"):
-            row(f"indexer {part[:-3]}", f"B={B} {ctx // 1024}k", target,
-                before=t["before"][part], after=t["after"][part])
+            row(f"indexer {part[:-3]}", f"B={B} {ctx // 1024}k", target, us=t[part])
     sizes = [] if args.pair_only else [1, 64, 512] if args.quick else [1, 64, 512, 4096, 65536]
     original = original_append(sizes, args.peers) if sizes else {}
     for T in sizes:
-        row("append ds_fp8", f"{T} rows", "≤ original",
-            before=append_us(T, VARIANT_PREVIOUS), after=append_us(T, VARIANT_DEFAULT),
-            alternative=append_us(T, VARIANT_ALTERNATIVE),
+        row("append ds_fp8", f"{T} rows", "≤ original", us=append_us(T),
             original=original.get(T) if isinstance(original, dict) else None)
     if not isinstance(original, dict):
         print(f"original append: {original}", flush=True)
     for kind in () if args.pair_only else ("csa", "hca", "swa"):
-        row(f"write_layer {kind}", "B=64 4k", "≤ 6",
-            **{k: write_layer_us(64, 4096, kind, v) for k, v in VARIANTS.items()})
+        row(f"write_layer {kind}", "B=64 4k", "≤ 6", us=write_layer_us(64, 4096, kind))
     flags = os.environ.get("XLA_FLAGS", "")
     buffers = "command buffers off" if "enable_command_buffer=" in flags and \
         "enable_command_buffer=F" not in flags else "XLA's default"
     for B, ctx in ((1, 4096), (64, 4096)):
         row("write_layer + indexer span", f"B={B} {ctx // 1024}k, {buffers}", "",
-            **{k: write_then_indexer_us(B, ctx, v) for k, v in VARIANTS.items()})
+            us=write_then_indexer_us(B, ctx))
     print()
-    print("| what | size | before µs | after µs | alternative µs | original µs | target |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("| what | size | µs | original µs | target |")
+    print("|---|---|---:|---:|---|")
     for r in rows:
-        print(f"| {r['what']} | {r['size']} | {fmt(r.get('before'))} | {fmt(r.get('after'))} | "
-              f"{fmt(r.get('alternative'))} | {fmt(r.get('original'))} | {r['target']} |")
+        print(f"| {r['what']} | {r['size']} | {fmt(r.get('us'))} | {fmt(r.get('original'))} | "
+              f"{r['target']} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": dev.device_kind, "jax": jax.__version__, "rows": rows}, fh,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the decode step's cache kernels (append, write_layer,
-# indexer_topk): their GPU tests, then before/after device times in one short
-# table (tools/step_kernels_check.py). Builds nothing: build first with the
-# testing modules, as tools/gpu_check.sh does:
+# indexer_topk): their GPU tests, then device times against the targets and
+# the original append kernel in one short table (tools/step_kernels_check.py).
+# Builds nothing: build first with the testing modules, as tools/gpu_check.sh
+# does:
 #   pip install --no-build-isolation --no-deps -e . \
 #       --config-settings=cmake.define.DSV4_BUILD_TESTING=ON
 # The original append kernel is timed from the peers folder copied into the
