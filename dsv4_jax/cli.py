@@ -46,6 +46,11 @@ def _bytes(n: float) -> str:
 # The demo replays every step through the jnp reference: beyond this many
 # steps it stops being a demo (hours on a CPU).
 DEMO_MAX_STEPS = 4096
+# ... and every token of every layer: beyond this many token-layers (requests
+# x context x layers) a run and its replay take many minutes. The CPU's is 32
+# times the default demo's (128 requests of 512 tokens: about 75 s on 2
+# cores), the GPU's 48 times.
+DEMO_MAX_WORK = {"cpu": 2 ** 18, "gpu": 2 ** 25}
 
 
 def _demo_defaults(args) -> set:
@@ -120,6 +125,26 @@ def _demo_limits(args, preset) -> None:
     raise CliError(f"--context {args.context:,}: {reason}; {hint}")
 
 
+def _demo_work(args, preset) -> None:
+    """Refuse, before anything runs, a demo whose run and reference replay
+    would take many minutes: more token-layers than DEMO_MAX_WORK allows on
+    this platform; name the most requests that fit."""
+    import jax
+    platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
+    layers = preset(max_requests=1, max_context=C.BLOCK_TOKENS).num_layers
+    per_request = args.context * layers
+    work, budget = (args.requests + args.preempt) * per_request, DEMO_MAX_WORK[platform]
+    if work <= budget:
+        return
+    largest = budget // per_request - args.preempt
+    hint = (f"the most that fit are --requests {largest:,} (or a shorter --context)"
+            if largest >= 1 else "a shorter --context would help")
+    raise CliError(f"--requests {args.requests:,}: {args.requests + args.preempt:,} requests of "
+                   f"up to {args.context:,} tokens through {layers} layers are {work:,} "
+                   f"token-layers for the run and its reference replay, more than the demo's "
+                   f"{budget:,} on a {platform.upper()} (it would take many minutes); {hint}")
+
+
 def cmd_demo(args, parser) -> int:
     """Chunked prefill and a jitted decode loop over several requests, checked
     against the jnp reference."""
@@ -151,6 +176,7 @@ def cmd_demo(args, parser) -> int:
                        f"{_ffi.missing_module_reason(platform)} "
                        f"(--impl reference checks the jnp reference against itself)")
     _demo_limits(args, PRESETS[args.model])
+    _demo_work(args, PRESETS[args.model])
 
     ui = UI(plain=args.plain)
     # a slot per preempted request beyond the running ones: each comes back
@@ -200,7 +226,8 @@ def cmd_demo(args, parser) -> int:
     ui.table("cache", ["", "value"], [
         ["pool memory (whole state)", _bytes(rep.total)],
         ["blocks in use", f"{used} / {cfg.num_blocks}"],
-        ["tokens cached", f"{sum(lengths):,} ({', '.join(map(str, lengths))})"],
+        ["tokens cached", f"{sum(lengths):,} ({', '.join(map(str, lengths[:8]))}"
+                          f"{', ...' if len(lengths) > 8 else ''})"],
         ["CSA entries emitted (all CSA layers)", f"{emitted['csa']:,}"],
         ["indexer keys emitted", f"{emitted['index']:,}"],
         ["HCA entries emitted (all HCA layers)", f"{emitted['hca']:,}"],
@@ -326,15 +353,18 @@ def _has_devices(platform: str) -> bool:
 # ---- bench (in dsv4_jax/bench/) ------------------------------------------------------------
 def cmd_bench(args, parser) -> int:
     """Time every op at several sizes (µs per call, GB/s of the bytes it must
-    move, % of a device copy of as many bytes) and a V4-Flash decode step
-    against the jnp reference; a table, a JSON and a PNG plot."""
+    move, % of a device copy of as many bytes) and a V4-Flash decode step as
+    a model calls the library (--with-reference: the jnp reference's too); a
+    table, a JSON and a PNG plot."""
     from .bench import suite
     return suite.command(args, UI(plain=args.plain))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dsv4_jax",
-                                     description="DeepSeek-V4 KV cache for JAX")
+                                     description="DeepSeek-V4 KV cache for JAX. Without a "
+                                     "command: demo.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--plain", action="store_true",
                         help="plain-text output even when rich is installed")
@@ -381,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("info", parents=[common], help="versions and which FFI modules loaded",
                    description=cmd_info.__doc__).set_defaults(fn=cmd_info)
+    # -h lists every command's options (`python -m dsv4_jax COMMAND -h`: one's)
+    parser.epilog = "\n".join(f"---- {name} ----\n{p.format_help()}"
+                               for name, p in sub.choices.items())
     return parser
 
 

@@ -28,8 +28,9 @@ class ShardedCacheManager:
     its shard-local slot (what per-request operands such as `slots` hold)."""
 
     def __init__(self, config: CacheConfig):
-        if not config.sharded:
-            raise ValueError("config: expected a sharded config (use shard_config)")
+        if config.shard_axis is None:   # one shard is a valid mesh too
+            raise ValueError("config: expected a config split over a mesh axis by "
+                             "dsv4_jax.sharding.shard_config, got an unsharded one")
         self.config = config
         self.shards = [CacheManager(config.local(), shard=k) for k in range(config.num_shards)]
         self._shard_of: dict[Hashable, int] = {}

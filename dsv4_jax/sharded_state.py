@@ -45,8 +45,9 @@ def state_sharding(config: CacheConfig, mesh: jax.sharding.Mesh) -> CacheState:
 
 def init_sharded_state(config: CacheConfig, mesh: jax.sharding.Mesh) -> CacheState:
     """A fresh state created already placed on its shards."""
-    if not config.sharded:
-        raise ValueError("config: expected a sharded config (use shard_config)")
+    if config.shard_axis is None:   # one shard is a valid mesh too
+        raise ValueError("config: expected a config split over a mesh axis by "
+                         "dsv4_jax.sharding.shard_config, got an unsharded one")
     return init_state(config, sharding=state_sharding(config, mesh))
 
 

@@ -127,7 +127,8 @@ def test_bench_writes_numbers(capsys, tmp_path):
     assert code == 0, out
     data = json.loads(out_json.read_text())
     assert data["errors"] == {}            # every timed call did real work, nothing dropped
-    ops = {"append", "flush_csa", "flush_hca", "gather_window", "gather_topk", "gather_all"}
+    ops = {"apply_step", "append", "flush_csa", "flush_hca", "write_layer", "gather_window",
+           "gather_topk", "gather_all", "indexer_topk", "attention"}   # all but the step
     timed = [r for r in data["rows"] if r["op"] != "empty"]
     assert {r["op"] for r in timed} == ops
     for r in timed:

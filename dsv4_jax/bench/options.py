@@ -8,8 +8,9 @@ import argparse
 from .. import config as C
 from ..arguments import input_path, names, output_path, size, sizes
 
-OPS = ("append", "gather_window", "gather_topk", "gather_all", "flush_csa", "flush_hca",
-       "flash_step")
+# every op, then the decode step (last: --quick leaves it out)
+OPS = ("apply_step", "append", "flush_csa", "flush_hca", "write_layer", "gather_window",
+       "gather_topk", "gather_all", "indexer_topk", "attention", "flash_step")
 # (on a GPU, --quick) -> what runs unless an option says otherwise
 _DEFAULTS = {
     (True, False): dict(ops=OPS, rows=[1, 8, 64, 256, 4096, 65536], flush_decode=[1, 8, 64],
@@ -29,14 +30,19 @@ def add_options(p: argparse.ArgumentParser, json_default=None, plot_default=None
     p.add_argument("--ops", type=names(OPS),
                    help=f"comma-separated among {','.join(OPS)} (default all; --quick: all but "
                         "flash_step)")
-    p.add_argument("--rows", type=sizes, help="rows a call of each op, e.g. 1,64,4k")
+    p.add_argument("--rows", type=sizes, help="rows a call of append and the gathers, new "
+                   "blocks of apply_step (up to 1024), e.g. 1,64,4k")
     p.add_argument("--formats", type=names(C.KV_FORMATS), default=["ds_fp8"],
                    help="kv formats, comma-separated (default ds_fp8)")
-    p.add_argument("--flush-decode", type=sizes, help="requests of the flush decode cases")
-    p.add_argument("--flush-prefill", type=sizes, help="tokens of the flush prefill cases")
+    p.add_argument("--flush-decode", type=sizes,
+                   help="requests of the decode cases of flush, write_layer, indexer_topk "
+                        "and attention (one token each)")
+    p.add_argument("--flush-prefill", type=sizes,
+                   help="tokens of the prefill cases of flush and write_layer")
     p.add_argument("--step-batches", type=sizes, help="requests of the decode-step cases")
-    p.add_argument("--step-context", type=size, help="context of the decode step "
-                                                     "(default 4096 on a GPU, 512 on a CPU)")
+    p.add_argument("--step-context", type=size,
+                   help="context of the decode step, indexer_topk and attention "
+                        "(default 4096 on a GPU, 512 on a CPU)")
     p.add_argument("--reps", type=size, help="samples a case (the median is reported)")
     p.add_argument("--batch", type=size, help="calls a sample")
     p.add_argument("--with-reference", action="store_true",

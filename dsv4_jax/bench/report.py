@@ -14,7 +14,7 @@ def size_detail(r):
     if "case" in r:
         t = r.get("rows", r.get("T"))     # runs saved before rows were kept for flush: T
         return r["case"] if f"T={t}" in r["case"] else f"{r['case']} T={t}"
-    return ", ".join(f"{k}={r[k]}" for k in ("B", "T", "k", "E") if k in r)
+    return ", ".join(f"{k}={r[k]}" for k in ("R", "B", "T", "k", "E", "ctx") if k in r)
 
 
 def size_label(r):

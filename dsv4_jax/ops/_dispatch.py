@@ -83,8 +83,13 @@ def resolve_impl(impl: str, target: str, arrays: Sequence = ()) -> str:
 
 def ffi_call(target: str, args: Sequence, out_types: Sequence, aliases: dict, **attrs) -> list:
     """Call FFI `target`; `aliases` maps an argument index to the result it is
-    updated into in place. Integer attributes are passed as int64."""
-    call = jax.ffi.ffi_call(target, list(out_types), input_output_aliases=aliases)
+    updated into in place. Integer attributes are passed as int64.
+
+    Under `jax.vmap` the call runs once per element of the batch, in a loop
+    (vmap_method "sequential"): the handlers take one state and one step's
+    operands, so a batch is that many calls, each exactly the unbatched op."""
+    call = jax.ffi.ffi_call(target, list(out_types), input_output_aliases=aliases,
+                            vmap_method="sequential")
     return list(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
 
 
