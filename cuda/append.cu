@@ -9,7 +9,7 @@
 #include "append.h"
 #include "append_block.cuh"
 #include "handlers_cuda.h"
-#include "kernels.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace {

@@ -57,7 +57,10 @@
 #include <cstdint>
 
 #include "append.h"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "entry_warp.cuh"
+#include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace append_kernel {

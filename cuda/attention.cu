@@ -13,7 +13,7 @@
 #include "attention_simt.cuh"
 #include "attention_wgmma.cuh"
 #include "handlers_cuda.h"
-#include "kernels.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace {

@@ -10,7 +10,7 @@
 // into a per-warp one-entry pool first, so it reads back as append stores
 // it). Each warp then runs the online softmax of its heads over the tile: a
 // lane owns the 16 channels of its two 8-channel chunks (the entry layout of
-// kernels.cuh), the logit is a warp sum, the weights e^(s - m) are rounded to
+// bf16_chunks.cuh), the logit is a warp sum, the weights e^(s - m) are rounded to
 // bf16 for P.V and summed unrounded for the denominator, and the running max
 // starts at the sink (docs/design.md §6: the online form rounds each weight
 // relative to the running max; the bound there covers it).
@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "attention_items.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace cuda {

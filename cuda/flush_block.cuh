@@ -25,7 +25,10 @@
 #include <cuda_runtime.h>
 
 #include "flush.h"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "entry_warp.cuh"
+#include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace flush_kernel {

@@ -12,7 +12,7 @@
 #include "dsv4/flush_windows.h"
 #include "flush.h"
 #include "flush_block.cuh"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace flush_kernel {

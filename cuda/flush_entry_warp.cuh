@@ -10,7 +10,8 @@
 #include "dsv4/flush_windows.h"
 #include "flush.h"
 #include "flush_block.cuh"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "entry_warp.cuh"
 
 namespace dsv4 {
 namespace flush_kernel {

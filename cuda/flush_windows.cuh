@@ -37,7 +37,9 @@
 #include "flush_block.cuh"
 #include "flush_entry_block.cuh"
 #include "flush_entry_warp.cuh"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace flush_kernel {

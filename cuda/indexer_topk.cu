@@ -36,7 +36,7 @@
 #include "indexer_topk/score_fp32.cuh"
 #include "indexer_topk/score_mxfp4.cuh"
 #include "indexer_topk/select.cuh"
-#include "kernels.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace {

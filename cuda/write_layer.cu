@@ -18,7 +18,7 @@
 #include "flush_block.cuh"
 #include "flush_windows.cuh"
 #include "handlers_cuda.h"
-#include "kernels.cuh"
+#include "launch.cuh"
 #include "write_layer.h"
 
 namespace dsv4 {

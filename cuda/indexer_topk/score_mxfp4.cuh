@@ -12,7 +12,8 @@
 #include "indexer_topk/mxfp4_query.cuh"
 #include "indexer_topk/token.cuh"
 #include "indexer_topk.h"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace indexer {
