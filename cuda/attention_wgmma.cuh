@@ -29,6 +29,7 @@
 #include "attention_finish.cuh"
 #include "attention_items.cuh"
 #include "cp_async.cuh"
+#include "launch.cuh"
 #include "wgmma.cuh"
 
 namespace dsv4 {

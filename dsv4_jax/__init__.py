@@ -2,21 +2,23 @@
 
 State is a pytree of device buffers (`CacheState`); ops are functional and
 update the buffers in place under `jax.jit(..., donate_argnames=...)`. A step
-calls `apply_step` once, then per layer `append` (every layer), `flush` (CSA
-and HCA layers) and the reads: `gather_window`, `indexer_topk` and
-`gather_topk` (CSA), `gather_all` (HCA). docs/api.md is this package's
-reference, generated from its docstrings by tools/gen_api.py.
+calls `apply_step` once, then per layer `write_layer` (`append`, and on CSA
+and HCA layers `flush`, in one call), on CSA layers `indexer_topk`, and
+`attention` (the window, the CSA picks or every visible HCA entry, the
+sink). A model running its own attention reads with `gather_window`,
+`gather_topk` (CSA) and `gather_all` (HCA) instead. docs/api.md is this
+package's reference, generated from its docstrings by tools/gen_api.py.
 
 Threading the state:
 
-Every op returns the state. The writes (`apply_step`, `append`, `flush`)
-return it alone; the reads (`gather_window`, `gather_topk`, `gather_all`,
-`indexer_topk`) return `(*outputs, state)` by default, the state's `errors`
-counting the rows they dropped. Pass that state to the next op: the chain of
-states is what lets XLA run the whole step in place. With
-`return_state=False` a read returns its outputs alone, its counts are not
-kept, and XLA, with nothing ordering that read before the next in-place
-write, may copy buffers to keep it safe.
+Every op returns the state. The writes (`apply_step`, `append`, `flush`,
+`write_layer`) return it alone; the reads (`attention`, `gather_window`,
+`gather_topk`, `gather_all`, `indexer_topk`) return `(*outputs, state)` by
+default, the state's `errors` counting the rows they dropped. Pass that
+state to the next op: the chain of states is what lets XLA run the whole
+step in place. With `return_state=False` a read returns its outputs alone,
+its counts are not kept, and XLA, with nothing ordering that read before the
+next in-place write, may copy buffers to keep it safe.
 
 The layer argument:
 
@@ -27,7 +29,9 @@ layer. It is a Python int or a traced integer scalar (cast to int32), for a
 model that runs its layers in `lax.scan` or `lax.fori_loop`. A Python int is
 checked when the step is traced: `ValueError` if it is out of range or of a
 kind the op does not take (`flush`: CSA or HCA; `gather_topk`,
-`indexer_topk`: CSA; `gather_all`: HCA; `append`, `gather_window`: any). A
+`indexer_topk`: CSA; `gather_all`: HCA; `append`, `write_layer`,
+`gather_window`, `attention`: any; a traced layer of `attention` needs its
+`kind=`). A
 traced layer cannot raise: when it is out of range or of the wrong kind at
 run time the op counts `ErrorKind.BAD_LAYER` once in `state.errors`, writes
 nothing, and reads back zero rows (gathers) or all -1 (`indexer_topk`);
@@ -37,8 +41,9 @@ layer's kind from the width of `kv` (1024 CSA, 512 HCA).
 Token rows:
 
 Per-token operands (`kv` of `append`; `kv`, `score`, `index_kv`,
-`index_score` of `flush`; `q`, `weights` of `indexer_topk`; `indices` of
-`gather_topk`) have one row per token of the step, in the order of
+`index_score` of `flush`; the same of `write_layer`; `q`, `weights` of
+`indexer_topk`; `indices` of `gather_topk`; `q`, `topk`, `chunk_kv` of
+`attention`) have one row per token of the step, in the order of
 `meta.token_slot` and `meta.token_pos`. `CacheManager.prepare_step({request:
 n, ...})` groups the rows by request, in the order of the mapping, each
 request's `n` new tokens at consecutive rows in increasing position;
@@ -92,6 +97,17 @@ Then rotate the trailing 64 channels of `out_h` back by the query's position
 examples/decode_loop.py calls `attention` in jitted prefill and decode
 steps, and tests/test_example.py checks it against a dense float64
 attention.
+
+Batching with vmap:
+
+Every op can be mapped with `jax.vmap`; the compiled handlers then run once
+per element of the batch, in a loop (each element exactly the unbatched
+call), and the jnp reference is vectorized by JAX as usual; both give the
+same results. A batched state is a batch of separate caches: its writes
+return a new batch, so mapping an op over a state that is not batched (a
+batch of `kv` against one cache) returns a copy of the cache per element
+rather than writing it in place. To run several requests through one cache,
+put them in one step (`CacheManager.prepare_step`), not in a vmap.
 """
 from . import _ffi  # registers the FFI targets of the compiled modules
 from . import sharding
@@ -111,11 +127,11 @@ from .ops.gather import gather_all, gather_topk, gather_window
 from .ops.indexer import indexer_topk
 from .ops.write_layer import write_layer
 from .params import CompressorParams, yarn_inv_freq
-from .request_moves import (OffloadedRequest, admit_on_prefix, export_request, import_request,
-                            offload, preempt, resume, share_prefix)
-from .request_state import (RequestBlocks, RequestIds, RequestSnapshot, read_blocks,
-                            read_request, request_ids, restore, snapshot, write_blocks,
-                            write_request)
+from .requests.moves import (OffloadedRequest, admit_on_prefix, export_request,
+                             import_request, offload, preempt, resume, share_prefix)
+from .requests.transfer import (read_blocks, read_request, request_ids, restore, snapshot,
+                                write_blocks, write_request)
+from .requests.types import RequestBlocks, RequestIds, RequestSnapshot
 from .speculative import VerifyStep, verify_begin, verify_commit, verify_layer
 from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
 

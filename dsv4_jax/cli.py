@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from . import _ffi
 from . import config as C
 from ._ui import UI
-from .config import CacheConfig
+from .arguments import nonnegative_int, output_path, positive_float, positive_int
+from .config import PRESETS, CacheConfig
 from .memory import MIB, memory_report
 
-_PRESETS = {"tiny": CacheConfig.tiny, "flash": CacheConfig.flash, "pro": CacheConfig.pro}
 GIB = 1024 ** 3
 # DeepSeek-V3.2's MLA cache: 512 fp8 values + 4 fp32 scales + 64 bf16 RoPE
 # channels per token per layer.
@@ -34,36 +33,6 @@ MLA_BYTES_PER_TOKEN_LAYER = 656
 
 class CliError(Exception):
     """An error the command line reports in one line (exit code 2)."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
 
 
 def _bytes(n: float) -> str:
@@ -77,6 +46,11 @@ def _bytes(n: float) -> str:
 # The demo replays every step through the jnp reference: beyond this many
 # steps it stops being a demo (hours on a CPU).
 DEMO_MAX_STEPS = 4096
+# ... and every token of every layer: beyond this many token-layers (requests
+# x context x layers) a run and its replay take many minutes. The CPU's is 32
+# times the default demo's (128 requests of 512 tokens: about 75 s on 2
+# cores), the GPU's 48 times.
+DEMO_MAX_WORK = {"cpu": 2 ** 18, "gpu": 2 ** 25}
 
 
 def _demo_defaults(args) -> set:
@@ -151,6 +125,26 @@ def _demo_limits(args, preset) -> None:
     raise CliError(f"--context {args.context:,}: {reason}; {hint}")
 
 
+def _demo_work(args, preset) -> None:
+    """Refuse, before anything runs, a demo whose run and reference replay
+    would take many minutes: more token-layers than DEMO_MAX_WORK allows on
+    this platform; name the most requests that fit."""
+    import jax
+    platform = "cpu" if jax.default_backend() == "cpu" else "gpu"
+    layers = preset(max_requests=1, max_context=C.BLOCK_TOKENS).num_layers
+    per_request = args.context * layers
+    work, budget = (args.requests + args.preempt) * per_request, DEMO_MAX_WORK[platform]
+    if work <= budget:
+        return
+    largest = budget // per_request - args.preempt
+    hint = (f"the most that fit are --requests {largest:,} (or a shorter --context)"
+            if largest >= 1 else "a shorter --context would help")
+    raise CliError(f"--requests {args.requests:,}: {args.requests + args.preempt:,} requests of "
+                   f"up to {args.context:,} tokens through {layers} layers are {work:,} "
+                   f"token-layers for the run and its reference replay, more than the demo's "
+                   f"{budget:,} on a {platform.upper()} (it would take many minutes); {hint}")
+
+
 def cmd_demo(args, parser) -> int:
     """Chunked prefill and a jitted decode loop over several requests, checked
     against the jnp reference."""
@@ -186,12 +180,13 @@ def cmd_demo(args, parser) -> int:
         raise CliError(f"no FFI handlers to check on {platform}: "
                        f"{_ffi.missing_module_reason(platform)} "
                        f"(--impl reference checks the jnp reference against itself)")
-    _demo_limits(args, _PRESETS[args.model])
+    _demo_limits(args, PRESETS[args.model])
+    _demo_work(args, PRESETS[args.model])
 
     ui = UI(plain=args.plain)
     # a slot per preempted request beyond the running ones: each comes back
     # into a slot it never held, so the check covers the whole move
-    cfg = _PRESETS[args.model](max_requests=args.requests + args.preempt,
+    cfg = PRESETS[args.model](max_requests=args.requests + args.preempt,
                                max_context=args.context, kv_format=args.kv_format)
     prompts = demo.prompt_lengths(cfg, args.requests, args.steps, args.seed, args.speculative)
     if args.preempt > args.requests:
@@ -241,7 +236,8 @@ def cmd_demo(args, parser) -> int:
     ui.table("cache", ["", "value"], [
         ["pool memory (whole state)", _bytes(rep.total)],
         ["blocks in use", f"{used} / {cfg.num_blocks}"],
-        ["tokens cached", f"{sum(lengths):,} ({', '.join(map(str, lengths))})"],
+        ["tokens cached", f"{sum(lengths):,} ({', '.join(map(str, lengths[:8]))}"
+                          f"{', ...' if len(lengths) > 8 else ''})"],
         ["CSA entries emitted (all CSA layers)", f"{emitted['csa']:,}"],
         ["indexer keys emitted", f"{emitted['index']:,}"],
         ["HCA entries emitted (all HCA layers)", f"{emitted['hca']:,}"],
@@ -289,7 +285,7 @@ def cmd_plan(args, parser) -> int:
         parser.error(f"--context: positions are int32, expected at most {C.MAX_CONTEXT:,} "
                      f"tokens, got {args.context:,}")
     try:
-        cfg = _PRESETS[args.model](max_requests=args.requests, max_context=args.context,
+        cfg = PRESETS[args.model](max_requests=args.requests, max_context=args.context,
                                    kv_format=args.kv_format)
     except ValueError as e:   # num_blocks beyond int32: too many requests of that context
         parser.error(f"--requests {args.requests:,} x --context {args.context:,}: {e}")
@@ -367,15 +363,18 @@ def _has_devices(platform: str) -> bool:
 # ---- bench (in dsv4_jax/bench/) ------------------------------------------------------------
 def cmd_bench(args, parser) -> int:
     """Time every op at several sizes (µs per call, GB/s of the bytes it must
-    move, % of a device copy of as many bytes) and a V4-Flash decode step
-    against the jnp reference; a table, a JSON and a PNG plot."""
+    move, % of a device copy of as many bytes) and a V4-Flash decode step as
+    a model calls the library (--with-reference: the jnp reference's too); a
+    table, a JSON and a PNG plot."""
     from .bench import suite
     return suite.command(args, UI(plain=args.plain))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dsv4_jax",
-                                     description="DeepSeek-V4 KV cache for JAX")
+                                     description="DeepSeek-V4 KV cache for JAX. Without a "
+                                     "command: demo.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--plain", action="store_true",
                         help="plain-text output even when rich is installed")
@@ -383,37 +382,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", parents=[common], help="run a checked decode loop (default)",
                        description=cmd_demo.__doc__)
-    p.add_argument("--model", choices=sorted(_PRESETS),
+    p.add_argument("--model", choices=sorted(PRESETS),
                    help="layer pattern (default: tiny on the CPU, flash on a GPU)")
-    p.add_argument("--requests", type=_positive_int, help="requests (default 4)")
-    p.add_argument("--context", type=_positive_int,
+    p.add_argument("--requests", type=positive_int, help="requests (default 4)")
+    p.add_argument("--context", type=positive_int,
                    help="maximum context per request (default 512 on the CPU, 4096 on a GPU)")
-    p.add_argument("--steps", type=_positive_int, help="decode steps after the prefill")
-    p.add_argument("--chunk", type=_positive_int, help="prefill tokens per request per step")
+    p.add_argument("--steps", type=positive_int, help="decode steps after the prefill")
+    p.add_argument("--chunk", type=positive_int, help="prefill tokens per request per step")
     p.add_argument("--kv-format", default="ds_fp8", choices=list(C.KV_FORMATS))
     p.add_argument("--impl", default="auto", choices=["auto", "cpu", "cuda", "reference"],
                    help="implementation of the checked run (the replay is always reference)")
-    p.add_argument("--seed", type=_nonnegative_int, default=0)
-    p.add_argument("--preempt", type=_nonnegative_int, default=0, metavar="N",
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--preempt", type=nonnegative_int, default=0, metavar="N",
                    help="preempt the first N requests to host memory mid-decode and resume "
                         "them into other slots and blocks (the check still covers every byte)")
-    p.add_argument("--speculative", type=_nonnegative_int, default=0, metavar="K",
+    p.add_argument("--speculative", type=nonnegative_int, default=0, metavar="K",
                    help="speculative decode: every decode step verifies K random drafts a "
                         "request and keeps a random prefix (the check still covers every byte)")
     # Test hook: damage one stored byte after this step; the check must then FAIL.
-    p.add_argument("--corrupt-at-step", type=_nonnegative_int, default=None,
+    p.add_argument("--corrupt-at-step", type=nonnegative_int, default=None,
                    help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("plan", parents=[common], help="memory plan of a model, context and batch",
                        description=cmd_plan.__doc__)
-    p.add_argument("--model", choices=sorted(_PRESETS), default="flash")
-    p.add_argument("--context", type=_positive_int, default=65536, help="tokens per request")
-    p.add_argument("--requests", type=_positive_int, default=8)
+    p.add_argument("--model", choices=sorted(PRESETS), default="flash")
+    p.add_argument("--context", type=positive_int, default=65536, help="tokens per request")
+    p.add_argument("--requests", type=positive_int, default=8)
     p.add_argument("--kv-format", default="ds_fp8", choices=list(C.KV_FORMATS))
-    p.add_argument("--gpu-memory", type=_positive_float, default=80.0, metavar="GIB",
+    p.add_argument("--gpu-memory", type=positive_float, default=80.0, metavar="GIB",
                    help="memory to fill with requests of --context tokens (default 80 GiB)")
-    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    p.add_argument("--json", type=output_path, metavar="PATH",
+                   help="also write the numbers as JSON")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("bench", parents=[common], help="time the ops: table, JSON, plot",
@@ -424,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("info", parents=[common], help="versions and which FFI modules loaded",
                    description=cmd_info.__doc__).set_defaults(fn=cmd_info)
+    # -h lists every command's options (`python -m dsv4_jax COMMAND -h`: one's)
+    parser.epilog = "\n".join(f"---- {name} ----\n{p.format_help()}"
+                               for name, p in sub.choices.items())
     return parser
 
 

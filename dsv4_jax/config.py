@@ -230,9 +230,8 @@ def blocks_for_tokens(tokens: int) -> int:
     return math.ceil(tokens / BLOCK_TOKENS)
 
 
-def ratio_of(kind: str) -> int:
-    return {CSA: CSA_RATIO, HCA: HCA_RATIO}[kind]
-
+# The presets by name, as the command line and the benchmarks take them (--model).
+PRESETS = {"tiny": CacheConfig.tiny, "flash": CacheConfig.flash, "pro": CacheConfig.pro}
 
 # Attribute value of kv_format passed to the FFI handlers (ffi/include/dsv4/layout.h).
 KV_FORMAT_CODE = {"ds_fp8": 0, "fp8_token": 1, "bf16": 2}

@@ -23,8 +23,8 @@ import numpy as np
 from . import config as C
 from .config import CacheConfig
 from .errors import error_counts
-from .manager import CacheManager, bucket
-from .meta import StepMeta
+from .manager import CacheManager
+from .meta import StepMeta, bucket
 from .ops.append import append
 from .ops.apply_step import apply_step
 from .ops.flush import flush
@@ -32,8 +32,7 @@ from .ops.gather import gather_all, gather_topk, gather_window
 from .ops.write_layer import write_layer
 from .speculative import verify_begin, verify_commit, verify_layer
 from .state import CacheState, init_state
-from .workload import (MAX_FLIP_FRACTION, Flips, compare_states, compressor_operands,
-                       layer_params)
+from .workload import MAX_FLIP_FRACTION, Flips, compare_states, layer_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +110,7 @@ def move_points(settings: DemoSettings) -> dict:
 def _move(state, manager, ids, parked, way, settings, events):
     """Preempt or resume the first `settings.preempt` requests (the run with
     the manager), recording each copy so a replay repeats it."""
-    from .request_moves import preempt, resume
+    from .requests.moves import preempt, resume
     order = range(settings.preempt) if way == "out" else reversed(range(settings.preempt))
     for j in order:
         if way == "out":
@@ -127,7 +126,7 @@ def _move(state, manager, ids, parked, way, settings, events):
 
 def _replay_moves(state, events, parked):
     """The recorded preemptions and resumptions done again by numpy on the
-    host, independently of `request_state`: the slot's rows and the blocks'
+    host, independently of requests/transfer.py: the slot's rows and the blocks'
     rows copied out, then into the recorded slot, blocks and block-table row."""
     slot_leaves = (".swa.", ".csa.comp", ".csa.icomp", ".hca.comp")
     block_leaves = (".csa.kv.", ".csa.index.", ".hca.kv.")
@@ -273,6 +272,15 @@ def model_step(state: CacheState, meta: StepMeta, inputs, params, impl: str,
     def per_layer(state, layer, kind, x, p):
         return layer_ops(state, layer, kind, meta, x, p, topk, slots, impl)
     return over_layers(state, cfg.layer_kinds, per_layer, inputs, params, scan)
+
+
+def compressor_operands(kind, x, p):
+    """(comp_kv, comp_score, params) and the indexer keywords of a layer's
+    inputs (`make_inputs`' names), as write_layer and verify_layer take them."""
+    if kind == C.SWA:
+        return (), {}
+    extra = {"index_kv": x["ikv"], "index_score": x["iscore"]} if kind == C.CSA else {}
+    return (x["ckv"], x["score"], p), extra
 
 
 def speculative_model_step(state: CacheState, meta: StepMeta, inputs, accepted, params,

@@ -28,7 +28,8 @@ from typing import Hashable, Mapping
 import numpy as np
 
 from .config import BLOCK_TOKENS, CacheConfig
-from .meta import StepMeta
+from .meta import StepMeta, bucket
+from .requests.types import check_snapshot
 
 
 class CacheFullError(RuntimeError):
@@ -48,12 +49,6 @@ class _Prefix:
     tokens: int                           # a positive multiple of 128
     blocks: tuple                         # its physical blocks, all full
     snapshot: object                      # the RequestSnapshot taken at `tokens`
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum): padded sizes of the metadata."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
 
 
 class CacheManager:
@@ -281,7 +276,6 @@ class CacheManager:
         tokens (`dsv4_jax.share_prefix` takes it); it is kept with the prefix
         and checked against the config. The prefix holds its blocks until
         `drop_prefix`. ValueError, nothing changed, otherwise."""
-        from .request_state import check_snapshot
         req = self._request(request_id)
         tokens = req.length if tokens is None else tokens
         if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) \

@@ -13,6 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum): padded sizes of the metadata."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepMeta:

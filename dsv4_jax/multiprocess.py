@@ -32,8 +32,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .config import CacheConfig
-from .manager import CacheFullError, CacheManager, bucket
-from .meta import StepMeta
+from .manager import CacheFullError, CacheManager
+from .meta import StepMeta, bucket
 
 
 def shard_processes(mesh: jax.sharding.Mesh, axis: str) -> list[int]:
@@ -69,8 +69,9 @@ class ProcessCacheManager:
     naming them: the router sends the request to another process."""
 
     def __init__(self, config: CacheConfig, mesh: jax.sharding.Mesh):
-        if not config.sharded:
-            raise ValueError("config: expected a sharded config (use shard_config)")
+        if config.shard_axis is None:   # one shard is a valid mesh too
+            raise ValueError("config: expected a config split over a mesh axis by "
+                             "dsv4_jax.sharding.shard_config, got an unsharded one")
         axis = config.shard_axis
         if mesh.shape.get(axis) != config.num_shards:
             raise ValueError(f"mesh: expected axis {axis!r} of {config.num_shards} shards, "

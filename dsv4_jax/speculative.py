@@ -38,11 +38,12 @@ from . import config as C
 from .errors import ErrorKind
 from .meta import StepMeta
 from .ops import copy_rows
-from .ops._dispatch import check_array, check_state
+from .ops._dispatch import check_array
+from .ops._shards import per_shard
 from .ops.flush import flush
 from .ops.write_layer import _check_kind
 from .params import CompressorParams
-from .state import CacheState
+from .state import CacheState, check_state
 
 __all__ = ["VerifyStep", "verify_begin", "verify_layer", "verify_commit", "MAX_DRAFTS"]
 
@@ -271,9 +272,8 @@ def verify_begin(state: CacheState, meta: StepMeta, *, drafts: int,
     meta.check(cfg)
     drafts = _check_drafts(drafts)
     if cfg.sharded:
-        from .sharding import run_sharded
-        ids, rows, data = run_sharded(lambda st, m: _begin_body(st, m, drafts, impl), state,
-                                      [meta], [], ("rows", "rows", "rows"))
+        ids, rows, data = per_shard(_begin_body, state, ("rows", "rows", "rows"),
+                                    rows={"meta": meta}, drafts=drafts, impl=impl)
     else:
         ids, rows, data = _begin_body(state, meta, drafts, impl)
     verified = dataclasses.replace(meta, data=data)
@@ -337,12 +337,9 @@ def verify_commit(state: CacheState, spec: VerifyStep, accepted: jax.Array, *,
     check_array("accepted", accepted, (cfg.max_requests,), jnp.int32)
     drafts = spec.drafts
     if cfg.sharded:
-        from .sharding import run_sharded
-
-        def body(st, m, ids, acc, *rows):
-            return _commit_body(st, m, ids, rows, acc, drafts, impl)
-        state, data = run_sharded(body, state, [spec.meta, spec.ids, accepted, *spec.rows], [],
-                                  ("state", "rows"))
+        state, data = per_shard(_commit_body, state, ("state", "rows"),
+                                rows={"meta": spec.meta, "ids": spec.ids, "rows": spec.rows,
+                                      "accepted": accepted}, drafts=drafts, impl=impl)
     else:
         state, data = _commit_body(state, spec.meta, spec.ids, spec.rows, accepted, drafts, impl)
     return state, dataclasses.replace(spec.meta, data=data)

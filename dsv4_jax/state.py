@@ -21,7 +21,7 @@ FP8 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu
 
 
-def _dataclass(cls=None, *, static=()):
+def pytree_dataclass(cls=None, *, static=()):
     """Frozen dataclass registered as a pytree; `static` names meta fields."""
     def wrap(cls):
         cls = dataclasses.dataclass(frozen=True)(cls)
@@ -32,7 +32,7 @@ def _dataclass(cls=None, *, static=()):
     return wrap if cls is None else wrap(cls)
 
 
-@_dataclass
+@pytree_dataclass
 class KVEntries:
     """Entries of width 512 in one of the three KV formats (docs/design.md §4).
 
@@ -50,7 +50,7 @@ class KVEntries:
     scale: Optional[jax.Array]
 
 
-@_dataclass
+@pytree_dataclass
 class IndexerKeys:
     """MXFP4 indexer keys: 128 e2m1 codes packed two per byte + 4 UE8M0 scales.
 
@@ -61,7 +61,7 @@ class IndexerKeys:
     scale: jax.Array
 
 
-@_dataclass
+@pytree_dataclass
 class WindowState:
     """The sliding windows of every layer: the last 128 positions of each request.
 
@@ -72,7 +72,7 @@ class WindowState:
     pos: jax.Array
 
 
-@_dataclass
+@pytree_dataclass
 class CSAState:
     """The CSA layers' pools, stacked over the Lc CSA layers in model order.
 
@@ -90,7 +90,7 @@ class CSAState:
     icomp: jax.Array
 
 
-@_dataclass
+@pytree_dataclass
 class HCAState:
     """The HCA layers' pools, stacked over the Lh HCA layers in model order.
 
@@ -102,7 +102,7 @@ class HCAState:
     comp: jax.Array
 
 
-@_dataclass(static=("config",))
+@pytree_dataclass(static=("config",))
 class CacheState:
     """The whole cache: a pytree of device arrays plus its static config.
 
@@ -203,6 +203,34 @@ def init_state(config: CacheConfig, sharding=None) -> CacheState:
     if sharding is None:
         return jax.jit(build)()
     return jax.jit(build, out_shardings=sharding)()
+
+
+def check_tree(name: str, tree, want, layout: str = "") -> None:
+    """ValueError naming the first leaf of `tree` that is no array or whose
+    shape or dtype is not that of `want` (a pytree of ShapeDtypeStruct), or
+    saying how many arrays were expected (`layout` says what implies that
+    count). Run when a call is traced, before anything is donated."""
+    got_leaves = jax.tree_util.tree_leaves_with_path(tree)
+    want_leaves = jax.tree_util.tree_leaves(want)
+    if len(got_leaves) != len(want_leaves):
+        raise ValueError(f"{name}: expected {len(want_leaves)} arrays{layout}, "
+                         f"got {len(got_leaves)}")
+    for (path, x), w in zip(got_leaves, want_leaves):
+        where, expected = name + jax.tree_util.keystr(path), f"{np.dtype(w.dtype)}{list(w.shape)}"
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{where}: expected an array {expected}, got {type(x).__name__}")
+        if tuple(x.shape) != tuple(w.shape) or np.dtype(x.dtype) != np.dtype(w.dtype):
+            raise ValueError(f"{where}: expected {expected}, got "
+                             f"{np.dtype(x.dtype)}{list(x.shape)}")
+
+
+def check_state(state) -> None:
+    """ValueError unless `state` is a CacheState laid out as its config
+    implies (every op checks it when traced)."""
+    if not isinstance(state, CacheState):
+        raise ValueError(f"state: expected a CacheState, got {type(state).__name__}")
+    check_tree("state", state, state_shapes(state.config),
+               f" for kv_format {state.config.kv_format!r}")
 
 
 def tree_bytes(tree) -> int:

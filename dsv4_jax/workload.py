@@ -1,12 +1,8 @@
-"""A multi-request, multi-layer workload run step by step through any
-implementation, and the comparison of two such runs (docs/design.md §12).
-
-Shared by the test suite (imported directly by tests/) and by
-`python -m dsv4_jax demo`, which checks its cache against the reference path
-with `compare_states`.
-
-The schedule (admissions, releases, chunk sizes, padding) and every input
-are drawn from a seed, so two implementations see exactly the same steps.
+"""What `python -m dsv4_jax demo` checks a run with (docs/design.md §12):
+random compressor parameters of every layer, and the comparison of two runs'
+caches, byte for byte but for the one-code flips an fp32 value on a rounding
+boundary may give. The tests compare runs with it too; the seeded workload
+they drive is tests/support/workload.py.
 """
 
 from __future__ import annotations
@@ -18,14 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import config as C
-from .manager import CacheFullError, CacheManager
-from .ops.append import append
-from .ops.apply_step import apply_step
-from .ops.flush import flush
-from .ops.gather import gather_all, gather_topk, gather_window
-from .ops.write_layer import write_layer
 from .params import CompressorParams, yarn_inv_freq
-from .speculative import verify_begin, verify_commit, verify_layer
 
 F8 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu
@@ -49,141 +38,6 @@ def layer_params(cfg, seed=0):
         elif kind == C.HCA:
             params[layer] = one(C.HCA_RATIO, C.HEAD_DIM, C.HEAD_DIM)
     return params
-
-
-def step_inputs(cfg, T, rng):
-    """Per-layer projections of T token rows (random, never zeros)."""
-    out = {}
-    for layer, kind in enumerate(cfg.layer_kinds):
-        x = {"kv": jnp.asarray(rng.normal(0, 2, (T, C.HEAD_DIM)), jnp.bfloat16)}
-        if kind != C.SWA:
-            w = 2 * C.HEAD_DIM if kind == C.CSA else C.HEAD_DIM
-            x["ckv"] = jnp.asarray(rng.normal(0, 1.5, (T, w)), jnp.float32)
-            x["score"] = jnp.asarray(rng.normal(0, 2, (T, w)), jnp.float32)
-        if kind == C.CSA:
-            x["ikv"] = jnp.asarray(rng.normal(0, 1.5, (T, 2 * C.INDEX_DIM)), jnp.float32)
-            x["iscore"] = jnp.asarray(rng.normal(0, 2, (T, 2 * C.INDEX_DIM)), jnp.float32)
-        out[layer] = x
-    return out
-
-
-def write_step(state, meta, inputs, params, impl):
-    """apply_step, then append + flush on every layer: the cache work of one
-    model step."""
-    cfg = state.config
-    state = apply_step(state, meta, impl=impl)
-    for layer, kind in enumerate(cfg.layer_kinds):
-        x = inputs[layer]
-        state = append(state, layer, meta, x["kv"], impl=impl)
-        if kind == C.CSA:
-            state = flush(state, layer, meta, x["ckv"], x["score"], params[layer],
-                             index_kv=x["ikv"], index_score=x["iscore"], impl=impl)
-        elif kind == C.HCA:
-            state = flush(state, layer, meta, x["ckv"], x["score"], params[layer], impl=impl)
-    return state
-
-
-def compressor_operands(kind, x, p):
-    """(comp_kv, comp_score, params) and the indexer keywords of a layer's
-    inputs, as write_layer and verify_layer take them."""
-    if kind == C.SWA:
-        return (), {}
-    extra = {"index_kv": x["ikv"], "index_score": x["iscore"]} if kind == C.CSA else {}
-    return (x["ckv"], x["score"], p), extra
-
-
-def speculative_step(state, meta, inputs, accepted, params, drafts, impl, read=None):
-    """The cache work of one speculative step (docs/design.md §13):
-    apply_step, the verify pass's writes (verify_begin, verify_layer on every
-    compressed layer), verify_commit with `accepted` (i32[R]), then
-    write_layer of the kept rows on every layer. `read(state, layer, spec,
-    x)`, if given, runs after each layer's verify write and returns (state,
-    outputs): the verify pass's reads. Returns (state, kept StepMeta, {layer:
-    outputs})."""
-    cfg = state.config
-    state = apply_step(state, meta, impl=impl)
-    spec = verify_begin(state, meta, drafts=drafts, impl=impl)
-    outputs = {}
-    for layer, kind in enumerate(cfg.layer_kinds):
-        comp, extra = compressor_operands(kind, inputs[layer], params.get(layer))
-        state = verify_layer(state, layer, spec, *comp, impl=impl, **extra)
-        if read is not None:
-            state, outputs[layer] = read(state, layer, spec, inputs[layer])
-    state, kept = verify_commit(state, spec, accepted, impl=impl)
-    for layer, kind in enumerate(cfg.layer_kinds):
-        x = inputs[layer]
-        comp, extra = compressor_operands(kind, x, params.get(layer))
-        state = write_layer(state, layer, kept, x["kv"], *comp, impl=impl, **extra)
-    return state, kept, outputs
-
-
-def read_step(state, meta, queries, impl):
-    """Every gather of every layer for the step's tokens / requests."""
-    cfg = state.config
-    slots, topk, lengths = queries["slots"], queries["topk"], queries["lengths"]
-    out = {}
-    for layer, kind in enumerate(cfg.layer_kinds):
-        out[f"window{layer}"] = gather_window(state, layer, slots, impl=impl,
-                                                 return_state=True)
-        if kind == C.CSA:
-            out[f"topk{layer}"] = gather_topk(state, layer, meta.token_slot, meta.token_pos,
-                                                 topk, impl=impl, return_state=True)
-        elif kind == C.HCA:
-            out[f"all{layer}"] = gather_all(state, layer, slots, lengths,
-                                               cfg.max_blocks_per_request, impl=impl,
-                                               return_state=True)
-    return out
-
-
-class Schedule:
-    """Admissions, releases and chunk sizes drawn from a seed."""
-
-    def __init__(self, cfg, seed, decode_after=3):
-        self.cfg = cfg
-        self.rng = np.random.default_rng(seed)
-        self.manager = CacheManager(cfg)
-        self.step_no = 0
-        self.decode_after = decode_after
-
-    def next(self):
-        m, rng, cfg = self.manager, self.rng, self.cfg
-        if self.step_no == 4 and m.requests:           # release one: its blocks are reused
-            m.release(m.requests[0])
-        while m.free_slots and rng.random() < 0.6:
-            m.admit()
-        tokens = {}
-        for rid in m.requests:
-            room = cfg.max_context - m.length_of(rid)
-            if room <= 0:
-                continue
-            n = 1 if self.step_no >= self.decode_after else int(rng.integers(1, 150))
-            if rng.random() < 0.2:
-                n = 0                                  # sits this step out
-            tokens[rid] = min(n, room)
-        # keep within the free blocks: drop requests until the plan fits
-        while tokens:
-            try:
-                m.plan_step(tokens)
-                break
-            except CacheFullError:
-                tokens.popitem()
-        meta = m.prepare_step(tokens, min_tokens=int(rng.integers(1, 5)))
-        self.step_no += 1
-        return meta
-
-    def queries(self, meta, k=8):
-        """Slots of every request (plus -1 padding), top-k indices mixing
-        visible, invisible and -1, lengths for gather_all."""
-        m, rng = self.manager, self.rng
-        slots = [m.slot_of(r) for r in m.requests] + [-1]
-        lengths = [m.length_of(r) for r in m.requests] + [0]
-        T = meta.num_tokens
-        pos = np.asarray(meta.token_pos)
-        visible = (pos + 1) // C.CSA_RATIO
-        idx = rng.integers(0, np.maximum(visible, 1)[:, None] + 3, (T, k))
-        idx[rng.random((T, k)) < 0.2] = -1
-        return {"slots": jnp.asarray(slots, jnp.int32), "lengths": jnp.asarray(lengths, jnp.int32),
-                "topk": jnp.asarray(idx, jnp.int32)}
 
 
 # ---- comparison ---------------------------------------------------------------------------
@@ -279,14 +133,3 @@ def compare_states(got, want, flips: Flips, what=""):
                 flips.e2m1 += int(nd.sum())
         else:   # int32 tables and positions, error counters, e8m0 scales
             _require(not diff.any(), f"{name}: {int(diff.sum())} values differ")
-
-
-def assert_outputs_equal(got, want, what=""):
-    """Gathers are pure reads: identical inputs give byte-identical outputs."""
-    for key in want:
-        for i, (a, b) in enumerate(zip(jax.tree_util.tree_leaves(got[key]),
-                                       jax.tree_util.tree_leaves(want[key]))):
-            a, b = np.asarray(a), np.asarray(b)
-            _require(a.dtype == b.dtype and a.shape == b.shape, f"{what}{key}[{i}]")
-            if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
-                raise AssertionError(f"{what}{key}[{i}]: {int(np.sum(a != b))} values differ")

@@ -62,3 +62,17 @@ def test_api_reference_is_well_formed_markdown():
 
 def test_package_is_typed():
     assert (importlib.resources.files("dsv4_jax") / "py.typed").is_file()
+
+
+def test_every_op_is_under_ops_and_the_conventions_name_them():
+    """The reference lists each op under "Ops", none under "Other names", and
+    its conventions cover the ops a model calls (write_layer, attention) and
+    what jax.vmap does."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    sections = dict(re.findall(r"^## ([^\n]+)\n(.*?)(?=^## |\Z)", text, re.M | re.S))
+    assert "Other names" not in sections
+    for op in ("apply_step", "append", "flush", "write_layer", "indexer_topk", "attention",
+               "gather_window", "gather_topk", "gather_all"):
+        assert f"### `dsv4_jax.{op}`" in sections["Ops"], op
+    for name in ("`write_layer`", "`attention`", "`jax.vmap`"):
+        assert name in sections["Conventions"], name

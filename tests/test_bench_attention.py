@@ -2,7 +2,7 @@
 gives a row with its time, bytes, rates and the baseline of the same work."""
 import json
 
-from dsv4_jax.bench.attention import main
+from bench_attention import main
 
 
 def test_quick_run_rows(tmp_path):

@@ -1,5 +1,5 @@
 """benchmarks/run.py --markdown (dsv4_jax.bench.suite): a saved run's rows as
-RESULTS.md's tables."""
+the tables of docs/perf/ops.md."""
 import json
 
 from dsv4_jax.bench.suite import main
@@ -16,7 +16,10 @@ def test_markdown_tables_from_saved_rows(tmp_path, capsys):
          "fmt": "ds_fp8", "vs_empty": 1350.0},
         {"op": "flash_decode_step", "B": 8, "ctx": 4096, "impl": "cuda", "ms": 2.5,
          "first_call_s": 0.4, "fmt": "ds_fp8", "span_us": 2412.34, "busy_us": 1800.0,
-         "cache_busy_us": 1500.5, "kernels_per_layer": 6.5, "cache_kernels_per_layer": 4.25},
+         "cache_busy_us": 1500.5, "kernels_per_layer": 6.5, "cache_kernels_per_layer": 4.25,
+         "family_us": {"attention": 900.0, "indexer": 300.25, "writes": 250.0, "gathers": 0.0,
+                       "copies": 10.0, "other": 339.75},
+         "copy_kernels_per_layer": 0.5},
         {"op": "flash_decode_step", "B": 8, "ctx": 4096, "impl": "reference", "ms": 5.25,
          "first_call_s": 6.0, "fmt": "ds_fp8"},
     ]
@@ -29,5 +32,6 @@ def test_markdown_tables_from_saved_rows(tmp_path, capsys):
     assert "| gather_topk | 4096 rows (T=8, k=512) | 25.00 | 1500 | 80 | 50 | 12.5 |" in lines
     assert "| flush_csa | decode B=8 T=8 | 13.00 |  |  |  | 6.5 |" in lines
     assert "| flush_hca | prefill T=4096 | 2700.00 |  |  |  | 1350.0 |" in lines
-    assert "| 8 | 4096 | cuda | 2.500 | 2412.3 | 1800.0 | 1500.5 | 6.50 | 4.25 |" in lines
-    assert "| 8 | 4096 | reference | 5.250 | – | – | – | – | – |" in lines   # no timeline
+    assert ("| 8 | 4096 | cuda | 2.500 | 2412.3 | 1800.0 | 900.0 | 300.2 | 250.0 | 6.50 | 0.50 |"
+            in lines)
+    assert "| 8 | 4096 | reference | 5.250 | – | – | – | – | – | – | – |" in lines   # no timeline

@@ -1,5 +1,5 @@
-"""dsv4_jax/bench/prefill.py: the prefill benchmark schedules prompts as a
-token-budgeted server does, counts the bytes issue 37 counts, runs end to end
+"""benchmarks/bench_prefill.py: the prefill benchmark schedules prompts as a
+token-budgeted server does, counts the bytes its docstring names, runs end to end
 on the CPU with a well-formed report, and leaves the very state that plain
 apply_step / append / flush calls of the same steps and inputs write."""
 import json
@@ -10,7 +10,7 @@ import pytest
 
 import dsv4_jax as dj
 from dsv4_jax import config as C
-from dsv4_jax.bench import prefill
+import bench_prefill as prefill
 from conftest import requires_cpu_ffi
 from support.marks import CUDA
 
@@ -32,7 +32,7 @@ def test_scenarios_parse_and_schedule_request_after_request():
 def test_read_bytes_of_a_64k_prompt_through_flash():
     """Per token: 43 bf16 window rows, 21 CSA layers' f32 kv + score of the
     compressor (2 x 1024) and the indexer (2 x 256), 20 HCA layers' (2 x 512):
-    the 22 GB of issue 37."""
+    22.3 GB."""
     cfg = prefill.prefill_config("flash", prefill.Scenario(1, 65536, 8192))
     assert cfg.num_layers == 43 and cfg.num_blocks == 512 + 1
     per_token = 43 * 1024 + 21 * 4 * (2 * 1024 + 2 * 256) + 20 * 4 * (2 * 512)

@@ -1,13 +1,13 @@
-"""dsv4_jax/bench/request_state.py (issue 40's benchmark) end to end on the
-CPU: a well-formed report whose round trips all came back bit for bit; the
-GPU run is the lead's (benchmarks/bench_request_state.py)."""
+"""benchmarks/bench_request_state.py end to end on the CPU: a well-formed
+report whose round trips all came back bit for bit (the GPU run: the same
+script on a GPU)."""
 import json
 
 import pytest
 
 from dsv4_jax import memory_report
 from dsv4_jax.bench import device_timeline as timeline
-from dsv4_jax.bench import request_state as bench
+import bench_request_state as bench
 from conftest import requires_cpu_ffi
 from support.marks import CUDA
 

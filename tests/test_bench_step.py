@@ -1,6 +1,7 @@
-"""dsv4_jax/bench/model_step*.py: the decode-step benchmark runs end to end on the
-CPU and reports its fields; its step does the same cache work as the jnp
-reference; its timeline summary counts what it is given."""
+"""The decode-step benchmark (dsv4_jax/bench/model_step.py and
+benchmarks/bench_decode_step.py) runs end to end on the CPU and reports its
+fields; its step does the same work as the jnp reference; its timeline
+summary counts and classifies what it is given."""
 import json
 
 import jax
@@ -8,9 +9,11 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax.bench import device_timeline, filled_state, model_step as bs, model_step_bench
+from dsv4_jax.bench import device_timeline, filled_state, model_step as bs
 from dsv4_jax import config as C
 from conftest import requires_cpu_ffi
+
+import bench_decode_step
 
 
 def test_layer_plan_splits_the_presets_into_prefix_and_repeated_pair():
@@ -21,10 +24,21 @@ def test_layer_plan_splits_the_presets_into_prefix_and_repeated_pair():
 
 
 def test_variant_names_round_trip():
-    for text in ("base", "no-return-state", "fused-write+unroll", "no-return-state+unroll"):
+    for text in ("base", "gathers", "no-return-state", "separate-write+unroll",
+                 "gathers+separate-write+no-return-state+unroll"):
         assert bs.Variant.parse(text).name == text
-    with pytest.raises(ValueError, match="variant"):
-        bs.Variant.parse("rolled")
+    assert bs.Variant.parse("base") == bs.Variant()
+    assert bs.Variant.parse("gathers") == bs.Variant(gathers=True)
+    for bad in ("rolled", "", "base+unroll"):
+        with pytest.raises(ValueError, match="variant"):
+            bs.Variant.parse(bad)
+
+
+def test_cases_option_parses_and_refuses():
+    assert bench_decode_step.cases("1x4096,64x64k") == [(1, 4096), (64, 65536)]
+    for bad in ("64", "0x4096", "8x", "axb"):
+        with pytest.raises(Exception, match="BxCONTEXT"):
+            bench_decode_step.cases(bad)
 
 
 def test_timeline_summary_of_two_hand_made_steps():
@@ -39,6 +53,9 @@ def test_timeline_summary_of_two_hand_made_steps():
     assert s["other_kernels_per_layer"] == 1
     assert s["busy_us"] == 18.0 and s["cache_busy_us"] == 16.0
     assert s["span_us"] == (16.0 + 25.0) / 2          # steps span 16 and 25 us
+    assert s["family_us"] == {"attention": 0.0, "indexer": 0.0, "writes": 15.0, "gathers": 0.0,
+                              "copies": 1.0, "other": 2.0}
+    assert s["copy_kernels_per_layer"] == 1
     by_name = {k["name"]: k for k in s["kernels"]}
     assert by_name["AppendKernel"] == {"name": "AppendKernel", "kind": "cache", "count": 1,
                                        "total_us": 15.0, "mean_us": 15.0}
@@ -69,26 +86,50 @@ def test_kernel_sequence_of_a_hand_made_step():
     assert seq == [] and "3 launches of AppendKernel for 4 layers" in why
 
 
+def test_kernels_fall_into_op_families():
+    def dsv4(name):
+        return f"void dsv4::(anonymous namespace)::{name}(dsv4::(anonymous namespace)::Args)"
+    family = device_timeline.kernel_family
+    for name, want in [("AttentionWgmmaKernel", "attention"), ("AttentionCombineKernel", "attention"),
+                       ("AttentionSimtKernel", "attention"), ("ScoreKernelMxfp4<4>", "indexer"),
+                       ("SelectKernel", "indexer"), ("WriteLayerKernel", "writes"),
+                       ("AppendKernel", "writes"), ("FlushPlanKernel", "writes"),
+                       ("ResetAndScrubKernel", "writes"), ("GatherTopkKernel", "gathers"),
+                       ("CopyRowsKernel", "other")]:
+        assert family(dsv4(name)) == want, name
+    assert family("memcpy32_post") == "copies"
+    assert family("loop_add_fusion") == "other"
+    assert family("input_reduce_fusion_Attention") == "other"     # not a dsv4 kernel
+
+
 @requires_cpu_ffi
-def test_step_does_the_reference_cache_work():
-    """Every variant's h and state equal the jnp reference's on a filled
-    state that no op counts as bad input: bit for bit, but for the
-    online-softmax accumulators, whose expf differs by a few ulps between
-    XLA and libm (ffi/include/dsv4/numerics.h)."""
+def test_step_does_the_reference_work():
+    """The CPU handlers' step equals the jnp reference's on a filled state
+    that no op counts as bad input, for the attention step and the gathers
+    one: the state bit for bit (but for the online-softmax accumulators,
+    whose expf differs by a few ulps between XLA and libm,
+    ffi/include/dsv4/numerics.h), h of the gathers exactly, h of attention
+    within the rounding of bf16 outputs summed in a different fp32 order."""
     B, ctx = 2, 512
     cfg = dj.CacheConfig.tiny(max_requests=B, max_context=ctx)
     x = bs.step_inputs(B, ctx)
     results = {}
-    for impl, variant in [("reference", "base"), ("cpu", "base"), ("cpu", "no-return-state"),
-                          ("cpu", "unroll")]:
+    for impl, variant in [("reference", "base"), ("cpu", "no-return-state+unroll"),
+                          ("reference", "gathers+separate-write"), ("cpu", "gathers")]:
         state, h = bs.make_step(cfg, ctx, bs.Variant.parse(variant), impl)(
             filled_state.filled_state(cfg, ctx), x)
         results[impl, variant] = jax.tree_util.tree_map(np.asarray, (state, h))
     ref_state, ref_h = results["reference", "base"]
     assert not ref_state.errors.any()
-    assert np.abs(ref_h).sum() > 0     # the gathers found entries
-    for key, (state, h) in results.items():
-        np.testing.assert_array_equal(h, ref_h, err_msg=str(key))
+    assert np.abs(ref_h).sum() > 0     # the reads found entries
+    gathers_h = results["reference", "gathers+separate-write"][1]
+    assert np.abs(gathers_h).sum() > 0
+    np.testing.assert_array_equal(results["cpu", "gathers"][1], gathers_h)
+    # 4 layers of 64 heads of bf16 outputs: each within 2^-8 of its size
+    attn_h = results["cpu", "no-return-state+unroll"][1]
+    np.testing.assert_allclose(attn_h, ref_h, rtol=0, atol=2 ** -6 * np.abs(ref_h).max())
+    assert not np.array_equal(attn_h, gathers_h)
+    for key, (state, _) in results.items():
         for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(state),
                                      jax.tree_util.tree_leaves(ref_state)):
             where = f"{key} {jax.tree_util.keystr(path)}"
@@ -103,7 +144,7 @@ def test_step_does_the_reference_cache_work():
 @requires_cpu_ffi
 def test_quick_run_reports_its_fields(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert model_step_bench.main(["--quick", "--json", str(out)]) == 0
+    assert bench_decode_step.main(["--quick", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1
     row = rows[0]
@@ -113,4 +154,13 @@ def test_quick_run_reports_its_fields(tmp_path, capsys):
     if jax.default_backend() == "gpu":
         assert row["kernels_per_step"] > 0 and row["span_us"] > 0
         assert 0 < row["cache_busy_us"] <= row["busy_us"] and row["sequence"]
+        assert row["family_us"]["attention"] > 0 and row["family_us"]["writes"] > 0
     assert "| 1 | 512 | base |" in capsys.readouterr().out
+
+
+def test_json_path_is_checked_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_decode_step.main(["--quick", "--json", str(tmp_path / "no" / "step.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "does not exist" in err

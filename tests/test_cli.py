@@ -42,7 +42,7 @@ def test_demo_preempts_and_resumes_mid_decode_and_still_passes(capsys, monkeypat
     """--preempt: the first requests go to host memory mid-decode and come
     back into slots they never held; the replay repeats the moves with numpy
     on the host, so a move that loses a byte fails the check."""
-    from dsv4_jax import request_moves
+    from dsv4_jax.requests import moves as request_moves
     code, out = run_cli(capsys, "demo", *SMALL, "--preempt", "2")
     assert code == 0, out
     assert "the first 2 requests preempted to host memory before decode step 1 and resumed " \
@@ -147,7 +147,8 @@ def test_bench_writes_numbers(capsys, tmp_path):
     assert code == 0, out
     data = json.loads(out_json.read_text())
     assert data["errors"] == {}            # every timed call did real work, nothing dropped
-    ops = {"append", "flush_csa", "flush_hca", "gather_window", "gather_topk", "gather_all"}
+    ops = {"apply_step", "append", "flush_csa", "flush_hca", "write_layer", "gather_window",
+           "gather_topk", "gather_all", "indexer_topk", "attention"}   # all but the step
     timed = [r for r in data["rows"] if r["op"] != "empty"]
     assert {r["op"] for r in timed} == ops
     for r in timed:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax import request_state as rs
+from dsv4_jax import manager as manager_module
 from dsv4_jax.config import BLOCK_TOKENS
 from support.audit import audit
 
@@ -17,7 +17,7 @@ SNAP = object()    # the manager keeps a prefix's snapshot opaque: any object wi
 
 
 def test_long_random_churn_keeps_every_block_accounted_for(monkeypatch):
-    monkeypatch.setattr(rs, "check_snapshot", lambda config, snap: None)
+    monkeypatch.setattr(manager_module, "check_snapshot", lambda config, snap: None)
     cfg = dj.CacheConfig.tiny(max_requests=6, max_context=1024, num_blocks=24)
     m = dj.CacheManager(cfg)
     rng = np.random.default_rng(0)

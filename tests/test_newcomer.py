@@ -1,8 +1,13 @@
-"""What a new user meets first (issue 38): the demo refuses to check the
-reference against itself, the command line answers bad input in one line,
-messages say what happened, forgetting to donate the state is caught, and
-the error counters can be reset."""
+"""What a new user meets first and second: the demo refuses to check the
+reference against itself, the command line answers bad input in one line
+before any work (output paths, a demo too large to finish), `-h` shows every
+option, messages say what happened, forgetting to donate the state is
+caught, and the error counters can be reset. The README's code blocks are
+tests/test_readme.py's."""
+import argparse
 import dataclasses
+import importlib
+import os
 import re
 import warnings
 
@@ -75,12 +80,81 @@ def test_demo_with_impl_reference_says_what_it_checked(capsys, no_cpu_module):
 
 
 # ---- item 5: one-line errors, limits checked before anything runs ---------------------------
-def test_plan_json_to_an_unwritable_path_is_one_line(capsys):
-    code, _, err = run_cli(capsys, "plan", "--plain", "--json", "/nonexistent/dir/x.json")
-    assert code == 2
-    assert err.strip().splitlines() == [
-        "python -m dsv4_jax plan: error: --json /nonexistent/dir/x.json: cannot write it "
-        "(No such file or directory)"]
+@pytest.mark.parametrize("command", ["plan", "bench"])
+def test_json_to_a_missing_folder_is_one_line_before_any_work(capsys, command):
+    line = usage_error(capsys, command, "--plain", "--json", "/nonexistent/dir/x.json")
+    assert line == (f"python -m dsv4_jax {command}: error: argument --json: "
+                    f"/nonexistent/dir/x.json: the folder /nonexistent/dir does not exist")
+    assert capsys.readouterr().out == ""           # nothing ran
+
+
+def test_bench_output_paths_are_checked_before_any_work(capsys, tmp_path):
+    line = usage_error(capsys, "bench", "--plot", str(tmp_path))
+    assert line.endswith(f"argument --plot: {tmp_path}: is a folder, expected a file path")
+    line = usage_error(capsys, "bench", "--markdown", str(tmp_path / "missing.json"))
+    assert line.endswith(f"argument --markdown: {tmp_path / 'missing.json'}: no such file")
+    unwritable = tmp_path / "ro"
+    unwritable.mkdir(mode=0o500)
+    if not os.access(unwritable, os.W_OK):       # root writes anywhere
+        line = usage_error(capsys, "bench", "--json", str(unwritable / "x.json"))
+        assert line.endswith("x.json: not writable here")
+
+
+@pytest.mark.parametrize("script", ["bench_decode_step", "bench_attention", "bench_indexer",
+                                    "bench_prefill", "bench_request_state",
+                                    "bench_multiprocess", "bench_append_vs_original"])
+def test_every_benchmark_checks_its_json_path_first(capsys, script):
+    main_of = importlib.import_module(script).main
+    with pytest.raises(SystemExit) as e:
+        main_of(["--json", "/nonexistent/dir/x.json"])
+    assert e.value.code == 2
+    assert "/nonexistent/dir/x.json: the folder /nonexistent/dir does not exist" in \
+        capsys.readouterr().err
+
+
+def test_help_lists_every_option_of_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["-h"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    parser = cli.build_parser()
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            if action.help != argparse.SUPPRESS:
+                for option in action.option_strings:
+                    assert option in text, (name, option)
+    assert "--ops" in text and "--corrupt-at-step" not in text
+
+
+def test_bench_ops_know_every_op(capsys):
+    """--ops takes every op the library exports (and the decode step);
+    tests/test_cli.py's quick run times each."""
+    parser = cli.build_parser()
+    ops = "apply_step,write_layer,indexer_topk,attention"
+    args = parser.parse_args(["bench", "--ops", ops])
+    assert args.ops == ops.split(",")
+    from dsv4_jax.bench.options import OPS
+    for op in ("apply_step", "append", "write_layer", "indexer_topk", "attention",
+               "gather_window", "gather_topk", "gather_all"):
+        assert op in OPS
+    line = usage_error(capsys, "bench", "--ops", "attention,softmax")
+    assert "expected names among apply_step, append" in line and "'attention,softmax'" in line
+
+
+def test_demo_refuses_more_requests_than_it_checks_in_minutes(capsys):
+    code, out, err = run_cli(capsys, "demo", "--plain", "--requests", "1000")
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        "python -m dsv4_jax demo: error: --requests 1,000: 1,000 requests of up to 512 tokens "
+        "through 4 layers are 2,048,000 token-layers for the run and its reference replay, "
+        "more than the demo's 262,144 on a CPU (it would take many minutes); the most that "
+        "fit are --requests 128 (or a shorter --context)")
+    args = cli.build_parser().parse_args(["demo", "--requests", "128"])
+    cli._demo_defaults(args)
+    cli._demo_work(args, C.PRESETS[args.model])              # the most it names are accepted
+    args.requests = 129
+    with pytest.raises(cli.CliError, match="--requests 129"):
+        cli._demo_work(args, C.PRESETS[args.model])
 
 
 def test_plan_refuses_a_context_positions_cannot_hold(capsys):

@@ -1,4 +1,4 @@
-"""snapshot / restore / read_blocks / write_blocks (dsv4_jax/request_state.py)
+"""snapshot / restore / read_blocks / write_blocks (dsv4_jax/requests/transfer.py)
 on a state of random bytes: exact copies of the slot's and the blocks' bytes,
 nothing else touched, in place; bad input raises before anything changes."""
 import copy
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax import request_state as rs
+from dsv4_jax.requests import transfer as rs
 from support.inplace import assert_in_place
 from support.marks import CUDA, cpu_target_built, requires_cpu_ffi
 from support.trees import as_bytes, assert_trees_bytes_equal, poison

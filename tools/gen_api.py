@@ -29,8 +29,8 @@ PACKAGE = "dsv4_jax"
 # submodule). Names of dsv4_jax.__all__ left out here land in "Other names",
 # so a new export shows up (and makes the reference stale) instead of vanishing.
 SECTIONS = [
-    ("Ops", ["apply_step", "append", "flush", "write_layer", "gather_window", "gather_topk",
-             "gather_all", "indexer_topk"]),
+    ("Ops", ["apply_step", "append", "flush", "write_layer", "indexer_topk", "attention",
+             "gather_window", "gather_topk", "gather_all"]),
     ("Configuration", ["CacheConfig"]),
     ("State", ["init_state", "CacheState", "WindowState", "CSAState", "HCAState", "KVEntries",
                "IndexerKeys"]),

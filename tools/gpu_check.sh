@@ -83,7 +83,7 @@ bench_rc=0
 if [ -z "${SKIP_BENCH:-}" ]; then
   if fits "indexer_topk benchmark, mxfp4" 100; then
     echo "== indexer_topk benchmark, mxfp4"
-    $PY benchmarks/indexer.py --json "$OUT/indexer.json" --q-formats mxfp4 ${INDEXER_BENCH_ARGS:-} \
+    $PY benchmarks/bench_indexer.py --json "$OUT/indexer.json" --q-formats mxfp4 ${INDEXER_BENCH_ARGS:-} \
       2>&1 | tee "$OUT/indexer.log" | tail -14
     [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
   fi
@@ -94,7 +94,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   fi
   if fits "indexer_topk benchmark, bf16" 120; then
     echo "== indexer_topk benchmark, bf16"
-    $PY benchmarks/indexer.py --json "$OUT/indexer_bf16.json" --q-formats bf16 ${INDEXER_BENCH_ARGS:-} \
+    $PY benchmarks/bench_indexer.py --json "$OUT/indexer_bf16.json" --q-formats bf16 ${INDEXER_BENCH_ARGS:-} \
       2>&1 | tee "$OUT/indexer_bf16.log" | tail -14
     [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
   fi

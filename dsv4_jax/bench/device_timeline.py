@@ -47,6 +47,30 @@ def kernel_kind(demangled):
     return "copy" if "copy" in low or "memcpy" in low else "other"
 
 
+# Op families of the dsv4 kernels, by the start of their names (cuda/): what
+# a step's device time is spent on. Anything else is a copy or "other".
+FAMILIES = (("attention", ("Attention",)),
+            ("indexer", ("ScoreKernel", "SelectKernel")),
+            ("writes", ("WriteLayer", "Append", "Flush", "BlockTable", "ResetAndScrub")),
+            ("gathers", ("Gather",)))
+FAMILY_NAMES = tuple(f for f, _ in FAMILIES) + ("copies", "other")
+
+
+def kernel_family(demangled):
+    """The op family of a kernel: attention, indexer (score and select),
+    writes (write_layer, append, flush, apply_step), gathers, copies, or
+    other (XLA's own fusions, and a dsv4 kernel of none of these)."""
+    kind = kernel_kind(demangled)
+    if kind == "copy":
+        return "copies"
+    if kind == "cache":
+        name = kernel_name(demangled)
+        for family, starts in FAMILIES:
+            if name.startswith(starts):
+                return family
+    return "other"
+
+
 def kernel_events(fn, *args, runs=1):
     """[(start_ns, duration_ns, demangled name)] of the GPU activity of
     `runs` calls of fn(*args), sorted by start (fn is called once before, so
@@ -97,8 +121,9 @@ def split_steps(events, steps):
 def timeline_summary(events, steps, layers):
     """Per step, from the events of `steps` identical steps of `layers`
     layers: kernel counts (all, per layer; per layer cache kernels with the
-    copies, and the others; copies), busy time (sum of durations: all, and
-    cache kernels with copies) and span (first start to last end, the median
+    copies, and the others; copies a step and a layer), busy time (sum of
+    durations: all, cache kernels with copies, and per op family:
+    `family_us`, kernel_family) and span (first start to last end, the median
     over the steps), and per kernel name: kind, count, total and mean
     microseconds. If the events do not split into steps, the span is that of
     the whole trace over `steps` and `split` says so."""
@@ -116,13 +141,18 @@ def timeline_summary(events, steps, layers):
                      "total_us": v["ns"] / 1e3 / steps, "mean_us": v["ns"] / 1e3 / v["count"]}
                     for k, v in names.items()), key=lambda r: -r["total_us"])
     count = {kind: sum(r["count"] for r in table if r["kind"] == kind) for kind in KINDS}
+    family_us = dict.fromkeys(FAMILY_NAMES, 0.0)
+    for _, d, raw in events:
+        family_us[kernel_family(raw)] += d / 1e3 / steps
     n = len(events) / steps
     return {"kernels_per_step": n, "kernels_per_layer": n / layers,
             "cache_kernels_per_layer": (count["cache"] + count["copy"]) / layers,
             "other_kernels_per_layer": count["other"] / layers,
             "copy_kernels_per_step": count["copy"],
+            "copy_kernels_per_layer": count["copy"] / layers,
             "busy_us": sum(d for _, d, _ in events) / 1e3 / steps,
             "cache_busy_us": sum(r["total_us"] for r in table if r["kind"] != "other"),
+            "family_us": family_us,
             "span_us": span, "split": chunks is not None, "kernels": table}
 
 

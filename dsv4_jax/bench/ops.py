@@ -1,5 +1,6 @@
-"""Per-op benchmarks: append, the three gathers and flush (CSA, HCA), each
-at several sizes, as rows of a BenchRun (bytes moved: inputs.py)."""
+"""Per-op benchmarks, each op at several sizes as rows of a BenchRun (bytes
+moved: inputs.py): apply_step, append, flush (CSA, HCA), write_layer, the
+three gathers, indexer_topk and attention."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,13 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import config as C
+from ..config import CacheConfig
+from ..memory import memory_report
 from ..meta import StepMeta
 from ..ops.append import append
+from ..ops.apply_step import apply_step
+from ..ops.attention import attention
 from ..ops.flush import flush
 from ..ops.gather import gather_all, gather_topk, gather_window
+from ..ops.indexer import indexer_topk
+from ..ops.write_layer import write_layer
+from ..params import yarn_inv_freq
 from ..state import init_state
-from .inputs import (ROW, entry_bytes, flush_bytes, flush_params, inner_layers, pool_config,
-                     random_pools, with_blocks)
+from .filled_state import filled_state
+from .inputs import (INDEX_KEY, ROW, entry_bytes, flush_bytes, flush_params, inner_layers,
+                     pool_config, random_pools, with_blocks)
 
 SETS = 2    # input sets a case rotates over
 
@@ -158,3 +167,115 @@ def bench_flush(b, kind, cases, fmt):
         for impl, s in times.items():
             b.op_row(f"flush_{kind}", T, s / L, flush_bytes(kind, pos, B, fmt), inner=L,
                      case=label, impl=impl, fmt=fmt)
+
+
+def bench_write_layer(b, cases, fmt):
+    """write_layer on a CSA layer (the costliest write: append, both
+    compressors, an entry and an indexer key a closed window) over the
+    cases of bench_flush."""
+    rng = b.rng
+    params = flush_params(C.CSA, rng)
+    for label, B, per in cases:
+        T = B * per
+        MB = max(32, -(-per // C.BLOCK_TOKENS))
+        L = min(inner_layers(T), 16)
+        cfg = pool_config(C.CSA, L, B, MB, kv_format=fmt)
+        slot = np.repeat(np.arange(B, dtype=np.int32), per)
+        pos = (np.full(T, 4095, np.int32) if per == 1
+               else np.tile(np.arange(per, dtype=np.int32), B))
+        meta = StepMeta.build(token_slot=slot, token_pos=pos, lengths=np.zeros(B, np.int32))
+        f = lambda *shape: jnp.asarray(rng.normal(0, 1, (T,) + shape), jnp.float32)
+        xs = [dict(kv=f(C.HEAD_DIM).astype(jnp.bfloat16), ckv=f(2 * C.HEAD_DIM),
+                   sc=f(2 * C.HEAD_DIM), ikv=f(2 * C.INDEX_DIM), isc=f(2 * C.INDEX_DIM))
+              for _ in range(SETS)]
+
+        def body(s, x, impl):
+            for layer in range(L):
+                s = write_layer(s, layer, meta, x["kv"], x["ckv"], x["sc"], params,
+                                index_kv=x["ikv"], index_score=x["isc"], impl=impl)
+            return s
+        states = [with_blocks(init_state(cfg), B, MB) for _ in range(SETS)]
+        times = time_writer(b, body, states, xs, reps=max(3, b.settings.reps // 2))
+        append_bytes = T * (ROW + entry_bytes(fmt) + 4 + 8)
+        for impl, s in times.items():
+            b.op_row("write_layer", T, s / L, append_bytes + flush_bytes(C.CSA, pos, B, fmt),
+                     inner=L, case=f"{label} (CSA)", impl=impl, fmt=fmt)
+
+
+def bench_apply_step(b, rows_list, fmt):
+    """apply_step of V4-Flash handing out `rows` new blocks (at most 1024),
+    each scrubbed in every compressed layer, to R = min(rows, 8) requests,
+    whose slots it resets (every layer's window and accumulators)."""
+    for n in rows_list:
+        if n > 1024:
+            continue
+        R = min(n, 8)
+        MB = -(-n // R)
+        cfg = CacheConfig.flash(max_requests=R, max_context=MB * C.BLOCK_TOKENS,
+                                num_blocks=n, kv_format=fmt)
+        i = np.arange(n, dtype=np.int32)
+        rows = np.stack([i % R, i // R, b.rng.permutation(n).astype(np.int32)], 1)
+        meta = StepMeta.build(token_slot=[-1], token_pos=[0], lengths=np.zeros(R, np.int32),
+                              new_blocks=rows, reset_slots=np.arange(R, dtype=np.int32))
+        states = [init_state(cfg) for _ in range(SETS)]
+        times = time_writer(b, lambda s, m, impl: apply_step(s, m, impl=impl), states,
+                            [meta] * SETS, reps=max(3, b.settings.reps // 2))
+        rep = memory_report(cfg)
+        per_slot = rep.window_per_request + rep.compressor_per_request
+        for impl, s in times.items():
+            b.op_row("apply_step", n, s, n * (rep.per_block + 12) + R * per_slot, impl=impl,
+                     fmt=fmt, R=R)
+
+
+def _filled_csa(b, layers, B, context, fmt):
+    """`layers` CSA layers of B requests holding `context` tokens each,
+    filled with valid random entries, windows and indexer keys."""
+    MB = -(-context // C.BLOCK_TOKENS)
+    cfg = pool_config(C.CSA, layers, B, MB, kv_format=fmt)
+    return [filled_state(cfg, context, seed) for seed in range(SETS)]
+
+
+def bench_indexer_topk(b, batches, context, fmt):
+    """indexer_topk (k = 512, the default MXFP4 query) of B decode tokens,
+    one a request at its last position, over `context` tokens' keys."""
+    k = 512
+    for B in batches:
+        L = min(inner_layers(B * context // C.CSA_RATIO // 64), 16)
+        states = _filled_csa(b, L, B, context, fmt)
+        slot = jnp.arange(B, dtype=jnp.int32)
+        pos = jnp.full((B,), context - 1, jnp.int32)
+        q = jnp.asarray(b.rng.normal(0, 1, (B, C.INDEX_HEADS, C.INDEX_DIM)), jnp.bfloat16)
+        w = jnp.asarray(b.rng.normal(0, 1, (B, C.INDEX_HEADS)), jnp.float32)
+        times = time_reader(b, lambda s, l, impl: indexer_topk(
+            s, l, slot, pos, q, w, k, impl=impl, return_state=False), L, states)
+        entries = context // C.CSA_RATIO
+        nbytes = B * (entries * INDEX_KEY + C.INDEX_HEADS * (2 * C.INDEX_DIM + 4) + 4 * k)
+        for impl, s in times.items():
+            b.op_row("indexer_topk", B, s, nbytes, inner=L, impl=impl, fmt=fmt, B=B,
+                     ctx=context, k=k)
+
+
+def bench_attention(b, batches, context, fmt):
+    """attention of B decode tokens on a CSA layer as V4-Flash runs it: 64
+    heads, the window and 512 picks of `context` tokens' entries, the sink,
+    the inverse RoPE of the output."""
+    H, k = 64, 512
+    inv = jnp.asarray(yarn_inv_freq())
+    for B in batches:
+        L = min(inner_layers(B * (C.WINDOW + k)), 16)
+        states = _filled_csa(b, L, B, context, fmt)
+        slot = jnp.arange(B, dtype=jnp.int32)
+        pos = jnp.full((B,), context - 1, jnp.int32)
+        q = jnp.asarray(0.05 * b.rng.normal(0, 1, (B, H, C.HEAD_DIM)), jnp.bfloat16)
+        sink = jnp.asarray(b.rng.normal(0, 1, H), jnp.float32)
+        visible = context // C.CSA_RATIO
+        picks = jnp.asarray(np.stack([b.rng.choice(visible, min(k, visible), replace=False)
+                                      for _ in range(B)]).astype(np.int32))
+        times = time_reader(b, lambda s, l, impl: attention(
+            s, l, q, slot, pos, sink=sink, topk=picks, rope_inv_freq=inv, impl=impl,
+            return_state=False), L, states)
+        visited = B * (C.WINDOW + picks.shape[1])
+        nbytes = visited * entry_bytes(fmt) + B * H * (2 * 2 * C.HEAD_DIM + 4)
+        for impl, s in times.items():
+            b.op_row("attention", B, s, nbytes, inner=L, impl=impl, fmt=fmt, B=B, ctx=context,
+                     k=picks.shape[1])

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 
 from .. import config as C
+from ..arguments import input_path, names, output_path, size, sizes
 
-OPS = ("append", "gather_window", "gather_topk", "gather_all", "flush_csa", "flush_hca",
-       "flash_step")
+# every op, then the decode step (last: --quick leaves it out)
+OPS = ("apply_step", "append", "flush_csa", "flush_hca", "write_layer", "gather_window",
+       "gather_topk", "gather_all", "indexer_topk", "attention", "flash_step")
 # (on a GPU, --quick) -> what runs unless an option says otherwise
 _DEFAULTS = {
     (True, False): dict(ops=OPS, rows=[1, 8, 64, 256, 4096, 65536], flush_decode=[1, 8, 64],
@@ -22,61 +24,38 @@ _DEFAULTS = {
 }
 
 
-def size(text: str) -> int:
-    """A positive count; a "k" suffix multiplies by 1024 ("4k" = 4096)."""
-    try:
-        value = int(text[:-1]) * 1024 if text.endswith("k") else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (or 4k, 64k), "
-                                         f"got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def sizes(text: str) -> list[int]:
-    """Comma-separated sizes: "1,8,4k"."""
-    return [size(v) for v in text.split(",") if v]
-
-
-def _names(allowed):
-    def parse(text: str) -> list[str]:
-        names = [v for v in text.split(",") if v]
-        bad = [v for v in names if v not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"expected names among {', '.join(allowed)}; "
-                                             f"got {text!r}")
-        return names
-    return parse
-
-
 def add_options(p: argparse.ArgumentParser, json_default=None, plot_default=None) -> None:
     """The benchmark's options; unset sizes and repeats take the platform's
     defaults (fewer with --quick)."""
-    p.add_argument("--ops", type=_names(OPS),
+    p.add_argument("--ops", type=names(OPS),
                    help=f"comma-separated among {','.join(OPS)} (default all; --quick: all but "
                         "flash_step)")
-    p.add_argument("--rows", type=sizes, help="rows a call of each op, e.g. 1,64,4k")
-    p.add_argument("--formats", type=_names(C.KV_FORMATS), default=["ds_fp8"],
+    p.add_argument("--rows", type=sizes, help="rows a call of append and the gathers, new "
+                   "blocks of apply_step (up to 1024), e.g. 1,64,4k")
+    p.add_argument("--formats", type=names(C.KV_FORMATS), default=["ds_fp8"],
                    help="kv formats, comma-separated (default ds_fp8)")
-    p.add_argument("--flush-decode", type=sizes, help="requests of the flush decode cases")
-    p.add_argument("--flush-prefill", type=sizes, help="tokens of the flush prefill cases")
+    p.add_argument("--flush-decode", type=sizes,
+                   help="requests of the decode cases of flush, write_layer, indexer_topk "
+                        "and attention (one token each)")
+    p.add_argument("--flush-prefill", type=sizes,
+                   help="tokens of the prefill cases of flush and write_layer")
     p.add_argument("--step-batches", type=sizes, help="requests of the decode-step cases")
-    p.add_argument("--step-context", type=size, help="context of the decode step "
-                                                     "(default 4096 on a GPU, 512 on a CPU)")
+    p.add_argument("--step-context", type=size,
+                   help="context of the decode step, indexer_topk and attention "
+                        "(default 4096 on a GPU, 512 on a CPU)")
     p.add_argument("--reps", type=size, help="samples a case (the median is reported)")
     p.add_argument("--batch", type=size, help="calls a sample")
     p.add_argument("--with-reference", action="store_true",
                    help="also time the jnp reference of each op and of the step")
     p.add_argument("--quick", action="store_true",
                    help="fewer sizes and repeats, no decode step")
-    p.add_argument("--json", metavar="PATH", default=json_default,
+    p.add_argument("--json", type=output_path, metavar="PATH", default=json_default,
                    help="where to write the numbers" + (f" (default {json_default})"
                                                         if json_default else ""))
-    p.add_argument("--plot", metavar="PATH", default=plot_default,
+    p.add_argument("--plot", type=output_path, metavar="PATH", default=plot_default,
                    help="where to write the plot (needs matplotlib)" + (
                        f" (default {plot_default})" if plot_default else ""))
-    p.add_argument("--markdown", metavar="JSON",
+    p.add_argument("--markdown", type=input_path, metavar="JSON",
                    help="print a saved run's (--json) tables as markdown and exit")
 
 

@@ -1,9 +1,12 @@
 """A benchmark run's rows for people: the summary tables (through the
-command line's UI), the markdown tables of benchmarks/RESULTS.md, and the
-plot of bandwidth against rows."""
+command line's UI), the markdown tables of docs/perf/ops.md, and the plot of
+bandwidth against rows."""
 from __future__ import annotations
 
-COPY_TBPS = 3.0   # device-to-device copy rate of the lent H100s (KINDS.md), bytes read + written
+# A fixed copy rate the markdown's second % column sets every op against (bytes
+# read + written a second): an H100's measured device-to-device copy, so that
+# runs on other days or cards compare on one scale.
+COPY_TBPS = 3.0
 
 
 def size_detail(r):
@@ -11,7 +14,7 @@ def size_detail(r):
     if "case" in r:
         t = r.get("rows", r.get("T"))     # runs saved before rows were kept for flush: T
         return r["case"] if f"T={t}" in r["case"] else f"{r['case']} T={t}"
-    return ", ".join(f"{k}={r[k]}" for k in ("B", "T", "k", "E") if k in r)
+    return ", ".join(f"{k}={r[k]}" for k in ("R", "B", "T", "k", "E", "ctx") if k in r)
 
 
 def size_label(r):
@@ -26,17 +29,28 @@ def _empty(rows):
     return next((r for r in rows if r["op"] == "empty"), None)
 
 
-# The decode-step columns: (row key, heading, format); the timeline's exist on a GPU only
-STEP_COLUMNS = (("ms", "ms/step", ".3f"), ("span_us", "span µs", ".1f"),
-                ("busy_us", "busy µs", ".1f"), ("cache_busy_us", "cache+copy busy µs", ".1f"),
-                ("kernels_per_layer", "kernels/layer", ".2f"),
-                ("cache_kernels_per_layer", "cache+copy kernels/layer", ".2f"))
+# The decode-step columns: (heading, value of a row, format); the timeline's
+# exist on a GPU only (a run saved before a column existed shows –)
+def _family(name):
+    return lambda r: (r.get("family_us") or {}).get(name)
+
+
+STEP_COLUMNS = (("ms/step", lambda r: r.get("ms"), ".3f"),
+                ("span µs", lambda r: r.get("span_us"), ".1f"),
+                ("busy µs", lambda r: r.get("busy_us"), ".1f"),
+                ("attention µs", _family("attention"), ".1f"),
+                ("indexer µs", _family("indexer"), ".1f"),
+                ("writes µs", _family("writes"), ".1f"),
+                ("kernels/layer", lambda r: r.get("kernels_per_layer"), ".2f"),
+                ("copies/layer", lambda r: r.get("copy_kernels_per_layer"), ".2f"))
 
 
 def _step_rows(rows):
     """The decode-step rows, one a (B, context, impl): [B, context, impl, cells]."""
-    return [[r["B"], r["ctx"], r["impl"]] + [format(r[k], f) if r.get(k) is not None else "–"
-                                              for k, _, f in STEP_COLUMNS]
+    def cell(r, get, fmt):
+        v = get(r)
+        return format(v, fmt) if v is not None else "–"
+    return [[r["B"], r["ctx"], r["impl"]] + [cell(r, g, f) for _, g, f in STEP_COLUMNS]
             for r in rows if r["op"] == "flash_decode_step" and "ms" in r]
 
 
@@ -53,12 +67,13 @@ def tables(data, ui):
               for r in rows if "GBps" in r])
     steps = _step_rows(rows)
     if steps:
-        ui.table("V4-Flash decode step as a model runs it (43 layers of cache work, outputs "
-                 "consumed)", ["B", "context", "impl"] + [h for _, h, _ in STEP_COLUMNS], steps)
+        ui.table("V4-Flash decode step as a model calls the library (43 layers: write_layer, "
+                 "indexer_topk, attention)", ["B", "context", "impl"]
+                 + [h for h, _, _ in STEP_COLUMNS], steps)
 
 
 def markdown(rows):
-    """The per-op table and the decode-step table of benchmarks/RESULTS.md, as lines."""
+    """The per-op table and the decode-step table of docs/perf/ops.md, as lines."""
     empty = _empty(rows)
     what = empty["what"] if empty else "empty FFI call"
     lines = [f"| op | size | µs / call | GB/s | % of in-run XOR | % of {COPY_TBPS:.1f} TB/s "
@@ -74,7 +89,7 @@ def markdown(rows):
                          f"| {r['vs_empty']:.1f} |")
     steps = _step_rows(rows)
     if steps:
-        lines += ["", "| B | context | impl | " + " | ".join(h for _, h, _ in STEP_COLUMNS) + " |",
+        lines += ["", "| B | context | impl | " + " | ".join(h for h, _, _ in STEP_COLUMNS) + " |",
                   "|---:|---:|---|" + "---:|" * len(STEP_COLUMNS)]
         lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in steps]
     return lines

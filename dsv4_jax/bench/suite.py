@@ -1,14 +1,16 @@
 """The ops benchmark, behind `python -m dsv4_jax bench` and benchmarks/run.py:
-per-op time, bandwidth (bytes the op must move over its time, inputs.py) and
-its share of a device copy of as many bytes (timing.py); flush at decode and
-prefill sizes; the cache work of a V4-Flash decode step as a model runs it
-(model_step.py: ms a step and, on a GPU, its device timeline). The FFI impl
-is "cuda" on a GPU, "cpu" on a CPU (smaller sizes there by default).
+every op's time, bandwidth (bytes the op must move over its time, inputs.py)
+and its share of a device copy of as many bytes (timing.py): apply_step,
+append, flush and write_layer at decode and prefill sizes, the gathers,
+indexer_topk and attention at decode sizes; then a V4-Flash decode step as a
+model calls the library (model_step.py: ms a step and, on a GPU, its device
+timeline). The FFI impl is "cuda" on a GPU, "cpu" on a CPU (smaller sizes
+there by default).
 
     python -m dsv4_jax bench                       # everything: table, bench.json, bench.png
     python -m dsv4_jax bench --quick               # the ops at two or three sizes
     python -m dsv4_jax bench --ops append,gather_window --rows 1,64,64k
-    python -m dsv4_jax bench --markdown bench.json # a saved run's tables, for RESULTS.md
+    python -m dsv4_jax bench --markdown bench.json # a saved run's tables, as docs/perf/ops.md
 """
 from __future__ import annotations
 
@@ -24,19 +26,21 @@ from . import report
 from .filled_state import filled_state
 from .model_step import Variant, measure_step, step_inputs
 from .options import add_options, fill_defaults
-from .ops import bench_append, bench_flush, bench_gather_all, bench_gather_topk, bench_gather_window
+from .ops import (bench_append, bench_apply_step, bench_attention, bench_flush, bench_gather_all,
+                  bench_gather_topk, bench_gather_window, bench_indexer_topk, bench_write_layer)
 from .timing import BenchRun, Settings
 
 
 # what a decode-step row keeps of measure_step's record (the JSON of
 # benchmarks/bench_decode_step.py has the per-kernel table and the sequence)
-STEP_FIELDS = ("first_call_s", "span_us", "busy_us", "cache_busy_us", "kernels_per_step",
-               "kernels_per_layer", "cache_kernels_per_layer", "other_kernels_per_layer",
-               "copy_kernels_per_step")
+STEP_FIELDS = ("first_call_s", "span_us", "busy_us", "cache_busy_us", "family_us",
+               "kernels_per_step", "kernels_per_layer", "cache_kernels_per_layer",
+               "other_kernels_per_layer", "copy_kernels_per_step", "copy_kernels_per_layer")
 
 
 def bench_flash_step(b, batches, context, fmt):
-    """The V4-Flash decode step as a model runs it (the base variant) at
+    """The V4-Flash decode step as a model calls the library (model_step's
+    default: write_layer, indexer_topk, attention) at
     `context` tokens a request for each B in `batches`, with each of the
     run's impls on one filled state."""
     for B in batches:
@@ -60,17 +64,23 @@ def run(args, emit=print) -> dict:
     ops = set(args.ops)
     cases = [(f"decode B={n}", n, 1) for n in args.flush_decode]
     cases += [(f"prefill T={n}", 1, n) for n in args.flush_prefill]
-    per_op = {"append": bench_append, "gather_window": bench_gather_window,
-              "gather_topk": bench_gather_topk, "gather_all": bench_gather_all}
+    decode, ctx = args.flush_decode, args.step_context
+    # each op's case list, in the order of OPS
+    per_op = {"apply_step": lambda fmt: bench_apply_step(b, args.rows, fmt),
+              "append": lambda fmt: bench_append(b, args.rows, fmt),
+              "flush_csa": lambda fmt: bench_flush(b, C.CSA, cases, fmt),
+              "flush_hca": lambda fmt: bench_flush(b, C.HCA, cases, fmt),
+              "write_layer": lambda fmt: bench_write_layer(b, cases, fmt),
+              "gather_window": lambda fmt: bench_gather_window(b, args.rows, fmt),
+              "gather_topk": lambda fmt: bench_gather_topk(b, args.rows, fmt),
+              "gather_all": lambda fmt: bench_gather_all(b, args.rows, fmt),
+              "indexer_topk": lambda fmt: bench_indexer_topk(b, decode, ctx, fmt),
+              "attention": lambda fmt: bench_attention(b, decode, ctx, fmt),
+              "flash_step": lambda fmt: bench_flash_step(b, args.step_batches, ctx, fmt)}
     for fmt in args.formats:
         for name, bench in per_op.items():
             if name in ops:
-                bench(b, args.rows, fmt)
-        for kind in (C.CSA, C.HCA):
-            if f"flush_{kind}" in ops:
-                bench_flush(b, kind, cases, fmt)
-        if "flash_step" in ops:
-            bench_flash_step(b, args.step_batches, args.step_context, fmt)
+                bench(fmt)
     return {"device": dev.device_kind, "platform": b.platform, "jax": jax.__version__,
             "impl": b.impl, "errors": b.errors, "copy_gbps": b.copy_gbps, "rows": b.rows}
 

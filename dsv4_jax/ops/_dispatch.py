@@ -7,7 +7,6 @@ import os
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi
@@ -84,8 +83,13 @@ def resolve_impl(impl: str, target: str, arrays: Sequence = ()) -> str:
 
 def ffi_call(target: str, args: Sequence, out_types: Sequence, aliases: dict, **attrs) -> list:
     """Call FFI `target`; `aliases` maps an argument index to the result it is
-    updated into in place. Integer attributes are passed as int64."""
-    call = jax.ffi.ffi_call(target, list(out_types), input_output_aliases=aliases)
+    updated into in place. Integer attributes are passed as int64.
+
+    Under `jax.vmap` the call runs once per element of the batch, in a loop
+    (vmap_method "sequential"): the handlers take one state and one step's
+    operands, so a batch is that many calls, each exactly the unbatched op."""
+    call = jax.ffi.ffi_call(target, list(out_types), input_output_aliases=aliases,
+                            vmap_method="sequential")
     return list(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
 
 
@@ -121,18 +125,3 @@ def check_array(name: str, x, shape: tuple, dtypes) -> None:
     if np.dtype(getattr(x, "dtype", None)) not in dtypes:
         raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, "
                          f"got {getattr(x, 'dtype', type(x).__name__)}")
-
-
-def check_state(state) -> None:
-    """Trace-time check that `state` matches the layout its config implies."""
-    from ..state import CacheState, state_shapes
-    if not isinstance(state, CacheState):
-        raise ValueError(f"state: expected a CacheState, got {type(state).__name__}")
-    expected = state_shapes(state.config)
-    got_leaves = jax.tree_util.tree_leaves_with_path(state)
-    want_leaves = jax.tree_util.tree_leaves(expected)
-    if len(got_leaves) != len(want_leaves):
-        raise ValueError(f"state: expected {len(want_leaves)} arrays for kv_format "
-                         f"{state.config.kv_format!r}, got {len(got_leaves)}")
-    for (path, got), want in zip(got_leaves, want_leaves):
-        check_array("state" + jax.tree_util.keystr(path), got, want.shape, want.dtype)

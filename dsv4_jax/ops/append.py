@@ -23,10 +23,10 @@ from .. import config as C
 from .. import reference
 from ..meta import StepMeta
 from ..donation import warn_if_eager
-from ..state import CacheState
-from ._dispatch import check_array, check_state, ffi_in_place, resolve_impl
-from ._layer import layer_operand, pick_layer, traced_layer
-from ..sharding import run_sharded
+from ..state import CacheState, check_state
+from ._dispatch import check_array, ffi_in_place, resolve_impl
+from ._layer import layer_operand
+from ._shards import per_shard
 
 TARGET = "dsv4_append"
 
@@ -73,8 +73,8 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     check_append_args(state, meta, kv)
     cfg = state.config
     if cfg.sharded:
-        return run_sharded(lambda st, m, x, *lay: append(st, pick_layer(layer, lay), m, x, impl=impl),
-                           state, [meta, kv], traced_layer(layer), "state")
+        return per_shard(append, state, "state", layer=layer, rows=dict(meta=meta, kv=kv),
+                         impl=impl)
     layer_idx = layer_operand(cfg, layer, None)
     impl = resolve_impl(impl, TARGET, [state.swa.pos])
     if impl == "reference":

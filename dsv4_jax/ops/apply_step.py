@@ -13,10 +13,10 @@ import jax
 
 from .. import reference
 from ..meta import StepMeta
-from ..sharding import run_sharded
 from ..donation import warn_if_eager
-from ..state import CacheState
-from ._dispatch import check_state, ffi_in_place, resolve_impl
+from ..state import CacheState, check_state
+from ._dispatch import ffi_in_place, resolve_impl
+from ._shards import per_shard
 
 TARGET = "dsv4_apply_step"
 
@@ -45,7 +45,7 @@ def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> Cach
         raise ValueError(f"meta: expected a StepMeta, got {type(meta).__name__}")
     meta.check(state.config)
     if state.config.sharded:   # per shard, with shard-local slots and block ids
-        return run_sharded(lambda st, m: apply_step(st, m, impl=impl), state, [meta], [], "state")
+        return per_shard(apply_step, state, "state", rows=dict(meta=meta), impl=impl)
     new_blocks, reset_slots = meta.new_blocks, meta.reset_slots
     impl = resolve_impl(impl, TARGET, [state.block_table])
     if impl == "reference":

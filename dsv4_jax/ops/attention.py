@@ -35,9 +35,9 @@ import numpy as np
 
 from .. import config as C
 from .. import reference
-from ..sharding import run_sharded
-from ..state import CacheState
-from ._dispatch import check_array, check_state, errors_alias, ffi_call, resolve_impl
+from ..sharded_state import run_sharded
+from ..state import CacheState, check_state
+from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand, pick_layer, traced_layer
 
 _I32 = jnp.int32

@@ -1,5 +1,5 @@
 """Copies of whole rows of several state leaves in one call: the moves of a
-request's cache (dsv4_jax/request_state.py) read a slot's and its blocks'
+request's cache (dsv4_jax/requests/transfer.py) read a slot's and its blocks'
 rows out of the state and write them back in place.
 
 A leaf of any shape and dtype has a row axis (`row_axes[k]`); its rows are

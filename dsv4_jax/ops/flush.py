@@ -51,10 +51,10 @@ from .. import reference
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..donation import warn_if_eager
-from ..state import CacheState
-from ._dispatch import check_array, check_state, ffi_in_place, resolve_impl
-from ._layer import layer_operand, pick_layer, traced_layer
-from ..sharding import run_sharded
+from ..state import CacheState, check_state
+from ._dispatch import check_array, ffi_in_place, resolve_impl
+from ._layer import layer_operand
+from ._shards import per_shard
 
 TARGETS = {C.CSA: "dsv4_flush_csa", C.HCA: "dsv4_flush_hca"}
 _FLOATS = (jnp.float32, jnp.bfloat16)
@@ -175,17 +175,10 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
         state, layer, meta, kv, score, params, index_kv, index_score)
     cfg = state.config
     if cfg.sharded:   # rows of every per-token operand split by shard, params whole
-        rows = [meta, kv, score] + ([index_kv, index_score] if kind == C.CSA else [])
-        lay = traced_layer(layer)
-
-        n_index = 2 if kind == C.CSA else 0
-
-        def body(st, m, x, z, *rest):
-            ix, iz = rest[:2] if n_index else (None, None)
-            p, carried = rest[n_index], rest[n_index + 1:]
-            return flush(st, pick_layer(layer, carried), m, x, z, p, index_kv=ix,
-                         index_score=iz, impl=impl)
-        return run_sharded(body, state, rows, [params, *lay], "state")
+        return per_shard(flush, state, "state", layer=layer,
+                         rows=dict(meta=meta, kv=kv, score=score, index_kv=index_kv,
+                                   index_score=index_score),
+                         whole=dict(params=params), impl=impl)
     layer_idx = layer_operand(cfg, layer, kind)
     target = TARGETS[kind]
     impl = resolve_impl(impl, target, [state.block_table])

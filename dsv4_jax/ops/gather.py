@@ -48,23 +48,19 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
-from ..state import CacheState
-from ._dispatch import check_array, check_state, errors_alias, ffi_call, resolve_impl
-from ._layer import layer_operand, pick_layer, traced_layer
-from ..sharding import run_sharded
+from ..state import CacheState, check_state
+from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
+from ._layer import layer_operand
+from ._shards import per_shard
 
 _I32 = jnp.int32
 
 
-def _sharded(fn, state, layer, rows, return_state, n_out=2):
-    """Run a gather per shard: `rows` split by shard, outputs likewise."""
-    lay = traced_layer(layer)
-
-    def body(st, *args):
-        out = fn(st, pick_layer(layer, args[len(rows):]), *args[:len(rows)])
-        return out
-    outs = ("rows",) * n_out + (("state",) if return_state else ())
-    return run_sharded(body, state, rows, lay, outs)
+def _sharded(op, state, layer, rows, return_state, **static):
+    """A gather per shard: `rows` split by shard, its two outputs likewise."""
+    outs = ("rows", "rows") + (("state",) if return_state else ())
+    return per_shard(op, state, outs, layer=layer, rows=rows, return_state=return_state,
+                     **static)
 
 
 def _finish(state, outputs, errors, return_state):
@@ -93,9 +89,8 @@ def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "au
     cfg = state.config
     check_array("slots", slots, (None,), _I32)
     if cfg.sharded:
-        return _sharded(lambda st, lay, sl: gather_window(st, lay, sl, impl=impl,
-                                                          return_state=return_state),
-                        state, layer, [slots], return_state)
+        return _sharded(gather_window, state, layer, dict(slots=slots), return_state,
+                        impl=impl)
     layer_idx = layer_operand(cfg, layer, None)
     target = "dsv4_gather_window"
     impl = resolve_impl(impl, target, [state.swa.pos])
@@ -141,9 +136,9 @@ def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.
     if indices.shape[1] == 0:
         raise ValueError("indices: expected at least one index per token (k >= 1), got k = 0")
     if cfg.sharded:
-        return _sharded(lambda st, lay, s, p, i: gather_topk(st, lay, s, p, i, impl=impl,
-                                                             return_state=return_state),
-                        state, layer, [token_slot, token_pos, indices], return_state)
+        return _sharded(gather_topk, state, layer,
+                        dict(token_slot=token_slot, token_pos=token_pos, indices=indices),
+                        return_state, impl=impl)
     layer_idx = layer_operand(cfg, layer, C.CSA)
     target = "dsv4_gather_topk"
     impl = resolve_impl(impl, target, [state.block_table])
@@ -186,9 +181,8 @@ def gather_all(state: CacheState, layer, slots: jax.Array, lengths: jax.Array,
     if not isinstance(max_entries, int) or max_entries <= 0:
         raise ValueError(f"max_entries: expected a positive int, got {max_entries!r}")
     if cfg.sharded:
-        return _sharded(lambda st, lay, s, n: gather_all(st, lay, s, n, max_entries, impl=impl,
-                                                         return_state=return_state),
-                        state, layer, [slots, lengths], return_state)
+        return _sharded(gather_all, state, layer, dict(slots=slots, lengths=lengths),
+                        return_state, max_entries=max_entries, impl=impl)
     layer_idx = layer_operand(cfg, layer, C.HCA)
     target = "dsv4_gather_all"
     impl = resolve_impl(impl, target, [state.block_table])

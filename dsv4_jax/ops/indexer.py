@@ -92,10 +92,10 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
-from ..sharding import run_sharded
-from ..state import CacheState
-from ._dispatch import check_array, check_state, errors_alias, ffi_call, resolve_impl
-from ._layer import layer_operand, pick_layer, traced_layer
+from ..state import CacheState, check_state
+from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
+from ._layer import layer_operand
+from ._shards import per_shard
 
 _I32 = jnp.int32
 MAX_K = 4096   # the CUDA kernel sorts the selection in shared memory
@@ -147,12 +147,11 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
         raise ValueError(f"q_format: expected one of {sorted(Q_FORMATS)}, got {q_format!r}")
     weights = weights.astype(jnp.float32)
     if cfg.sharded:
-        def body(st, *args):
-            return indexer_topk(st, pick_layer(layer, args[4:]), *args[:4], k,
-                                q_format=q_format, impl=impl, return_state=return_state)
         outs = ("rows", "state") if return_state else "rows"
-        return run_sharded(body, state, [token_slot, token_pos, q, weights],
-                           traced_layer(layer), outs)
+        return per_shard(indexer_topk, state, outs, layer=layer,
+                         rows=dict(token_slot=token_slot, token_pos=token_pos, q=q,
+                                   weights=weights),
+                         k=k, q_format=q_format, impl=impl, return_state=return_state)
     layer_idx = layer_operand(cfg, layer, C.CSA)
     target = "dsv4_indexer_topk"
     impl = resolve_impl(impl, target, [state.block_table])

@@ -44,10 +44,10 @@ from .. import config as C
 from .. import reference
 from ..meta import StepMeta
 from ..params import CompressorParams
-from ..sharding import run_sharded
 from ..state import CacheState
 from ._dispatch import ffi_in_place, resolve_impl
-from ._layer import layer_operand, pick_layer, traced_layer
+from ._layer import layer_operand
+from ._shards import per_shard
 from .append import append, append_ffi_operands, check_append_args
 from .flush import check_flush_args, flush_ffi_operands
 
@@ -96,15 +96,10 @@ def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
     kind, comp_kv, comp_score, index_kv, index_score = check_flush_args(
         state, layer, meta, comp_kv, comp_score, params, index_kv, index_score, prefix="comp_")
     if cfg.sharded:   # every per-token operand split by shard, params whole
-        csa = kind == C.CSA
-        rows = [meta, kv, comp_kv, comp_score] + ([index_kv, index_score] if csa else [])
-
-        def body(st, m, x, ckv, csc, *rest):
-            ix, iz = rest[:2] if csa else (None, None)
-            p, carried = rest[2 * csa], rest[2 * csa + 1:]
-            return write_layer(st, pick_layer(layer, carried), m, x, ckv, csc, p, index_kv=ix,
-                               index_score=iz, impl=impl)
-        return run_sharded(body, state, rows, [params, *traced_layer(layer)], "state")
+        return per_shard(write_layer, state, "state", layer=layer,
+                         rows=dict(meta=meta, kv=kv, comp_kv=comp_kv, comp_score=comp_score,
+                                   index_kv=index_kv, index_score=index_score),
+                         whole=dict(params=params), impl=impl)
     window_idx = layer_operand(cfg, layer, None)
     layer_idx = layer_operand(cfg, layer, kind)
     target = TARGETS[kind]

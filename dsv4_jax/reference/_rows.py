@@ -1,5 +1,5 @@
 """Shared per-row rules of the reference ops: layer validity, error counting,
-and the out-of-range index convention for dropped rows.
+the out-of-range index convention for dropped rows, and reading entries.
 
 A dropped row is written at an index one past the end of its axis with
 `mode="drop"`; negative indices are never used for that (jnp wraps them).
@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import config as C
 from ..errors import NUM_ERROR_KINDS, ErrorKind
+from . import quant
 
 
 def layer_ok(idx, n: int):
@@ -23,6 +24,16 @@ def layer_ok(idx, n: int):
 def read_index(idx, n: int):
     """`idx` clipped into [0, n) for a read whose result is masked."""
     return jnp.clip(idx, 0, max(n - 1, 0))
+
+
+def read_entries(pool, layer, block, row, kv_format, ok):
+    """Dequantized bf16 entries pool[layer, block, row] (index arrays of one
+    shape), zero where not `ok`: a read of the gathers and of attention."""
+    N = jax.tree_util.tree_leaves(pool)[0].shape[1]
+    b = read_index(block, N)
+    entries = jax.tree_util.tree_map(lambda p: p[layer][b, row], pool)
+    kv = quant.dequantize_kv(entries, kv_format)
+    return jnp.where(ok[..., None], kv, jnp.zeros((), kv.dtype))
 
 
 def add_errors(errors, ok_layer, counts: dict):

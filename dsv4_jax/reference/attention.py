@@ -22,8 +22,8 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import CacheState
 from . import quant
-from ._rows import add_errors, count, layer_ok, read_index, token_checks, visible_entries
-from .gather import _read_entries
+from ._rows import (add_errors, count, layer_ok, read_entries, read_index, token_checks,
+                    visible_entries)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 SCALE = float(np.float32(1.0 / math.sqrt(C.HEAD_DIM)))
@@ -77,7 +77,7 @@ def _csa(state, kind_idx, slot, pos, good, topk):
     missing = examined & ~bad_index & ((block < 0) | (block >= N))
     seen = examined & ~bad_index & ~missing
     row = jnp.where(seen, topk, 0) % per_block
-    kv = _read_entries(state.csa.kv, read_index(kind_idx, state.csa.comp.shape[0]), block, row,
+    kv = read_entries(state.csa.kv, read_index(kind_idx, state.csa.comp.shape[0]), block, row,
                        cfg.kv_format, seen)
     return kv, seen, {ErrorKind.BAD_INDEX: count(bad_index), ErrorKind.MISSING_BLOCK: count(missing)}
 
@@ -93,7 +93,7 @@ def _hca(state, kind_idx, slot, pos, good):
     block = state.block_table[read_index(slot, R)[:, None], j]
     missing = need & ((block < 0) | (block >= N))
     seen = need & ~missing
-    kv = _read_entries(state.hca.kv, read_index(kind_idx, state.hca.comp.shape[0]), block,
+    kv = read_entries(state.hca.kv, read_index(kind_idx, state.hca.comp.shape[0]), block,
                        jnp.zeros_like(block), cfg.kv_format, seen)
     return kv, seen, {ErrorKind.MISSING_BLOCK: count(missing)}
 

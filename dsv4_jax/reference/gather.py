@@ -6,24 +6,13 @@ valid, so nothing outside the pools is ever addressed.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from .. import config as C
 from ..errors import ErrorKind
 from ..state import CacheState
-from . import quant
-from ._rows import add_errors, count, layer_ok, read_index, token_checks, visible_entries
-
-
-def _read_entries(pool, layer, block, row, kv_format, ok):
-    """Dequantized bf16 entries pool[layer, block, row] (index arrays of one
-    shape), zero where not `ok`."""
-    N = jax.tree_util.tree_leaves(pool)[0].shape[1]
-    b = read_index(block, N)
-    entries = jax.tree_util.tree_map(lambda p: p[layer][b, row], pool)
-    kv = quant.dequantize_kv(entries, kv_format)
-    return jnp.where(ok[..., None], kv, jnp.zeros((), kv.dtype))
+from ._rows import (add_errors, count, layer_ok, read_entries, read_index, token_checks,
+                    visible_entries)
 
 
 def gather_topk(state: CacheState, kind_idx, token_slot, token_pos, indices):
@@ -57,7 +46,7 @@ def gather_topk(state: CacheState, kind_idx, token_slot, token_pos, indices):
                                                  ErrorKind.BAD_INDEX: count(bad_index),
                                                  ErrorKind.MISSING_BLOCK: count(missing)})
     row = jnp.where(valid, indices, 0) % per_block
-    kv = _read_entries(state.csa.kv, read_index(kind_idx, Lc), block, row, cfg.kv_format, valid)
+    kv = read_entries(state.csa.kv, read_index(kind_idx, Lc), block, row, cfg.kv_format, valid)
     return kv, valid, errors
 
 
@@ -87,6 +76,6 @@ def gather_all(state: CacheState, kind_idx, slots, lengths, max_entries: int):
     errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
                                                  ErrorKind.BAD_LENGTH: count(bad_length),
                                                  ErrorKind.MISSING_BLOCK: count(missing)})
-    kv = _read_entries(state.hca.kv, read_index(kind_idx, Lh), block, jnp.zeros_like(block),
+    kv = read_entries(state.hca.kv, read_index(kind_idx, Lh), block, jnp.zeros_like(block),
                        cfg.kv_format, ok)
     return kv, n, errors

@@ -75,11 +75,6 @@ def pow2_ceil_exponent(r):
     return e + ((b & 0x7FFFFF) != 0).astype(jnp.int32)
 
 
-def exponent_to_f32(e):
-    """2^(e-127) as float32 for an int32 biased exponent e in [1, 254]."""
-    return jax.lax.bitcast_convert_type(e.astype(_U32) << 23, jnp.float32)
-
-
 def to_bf16(x):
     """f32 -> bf16, round to nearest even, done on the bits. A plain astype
     round trip f32 -> bf16 -> f32 may be skipped by XLA where it allows excess

@@ -123,7 +123,7 @@ def test_trace_time_errors_name_the_argument_before_donation():
     assert not state.block_table.is_deleted()      # nothing was consumed
     bad = CacheState(state.block_table.astype(jnp.int16), state.swa, state.csa, state.hca,
                      state.errors, cfg)
-    with pytest.raises(ValueError, match=r"state.block_table: expected dtype int32, got int16"):
+    with pytest.raises(ValueError, match=r"state.block_table: expected int32\[4, 4\], got int16\[4, 4\]"):
         step(bad, StepMeta.build(token_slot=[0], token_pos=[0], lengths=np.zeros(4, np.int32)))
     with pytest.raises(ValueError, match="meta: expected a StepMeta"):
         apply_step(state, {"new_blocks": 1})

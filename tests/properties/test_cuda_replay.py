@@ -23,8 +23,9 @@ import pytest
 import dsv4_jax as dj
 from dsv4_jax import CacheConfig, init_state
 from dsv4_jax import config as C
-from dsv4_jax.workload import (Flips, Schedule, assert_outputs_equal, compare_states,
-                               layer_params, read_step, step_inputs, write_step)
+from dsv4_jax.workload import Flips, compare_states, layer_params
+from support.workload import (Schedule, assert_outputs_equal, read_step, step_inputs,
+                              write_step)
 from support.inplace import assert_in_place
 from support.marks import CUDA, requires_cpu_ffi
 from support.trees import assert_trees_bytes_equal

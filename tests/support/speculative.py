@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax.workload import speculative_step
-
 from support.streams import Driver, assert_same_request
+from support.workload import speculative_step
 
 
 class SpecDriver(Driver):

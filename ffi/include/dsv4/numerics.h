@@ -84,10 +84,6 @@ DSV4_HD float MaxF(float a, float b) {
   const float m = a > b ? a : b;
   return IsNan(a) ? b : IsNan(b) ? a : m;
 }
-DSV4_HD float MinF(float a, float b) {
-  const float m = a < b ? a : b;
-  return IsNan(a) ? b : IsNan(b) ? a : m;
-}
 // clamp to [-lim, lim]; NaN stays NaN.
 DSV4_HD float Clamp(float x, float lim) {
   const float hi = x > lim ? lim : x;

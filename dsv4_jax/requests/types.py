@@ -1,7 +1,8 @@
 """The values a request's cache moves as (docs/design.md §5, "Request state
 that moves"): `RequestSnapshot` (the slot's state outside the pages),
 `RequestBlocks` (the contents of physical blocks), and `RequestIds` (where
-in a cache they go, held on the device). `dsv4_jax.request_state` moves them.
+in a cache they go, held on the device); their shapes under a config, and
+the check that a snapshot fits a cache. requests/transfer.py moves them.
 """
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import config as C
-from .config import CacheConfig
-from .state import (IndexerKeys, KVEntries, WindowState, _dataclass, index_key_shapes,
-                    kv_entry_shapes, state_shapes)
+from .. import config as C
+from ..config import CacheConfig
+from ..state import (IndexerKeys, KVEntries, WindowState, check_tree, index_key_shapes,
+                     kv_entry_shapes, pytree_dataclass, state_shapes)
 
 
-@_dataclass(static=("compress_ratios", "kv_format"))
+@pytree_dataclass(static=("compress_ratios", "kv_format"))
 class RequestSnapshot:
     """The state of one request outside the paged pools.
 
@@ -49,7 +50,7 @@ class RequestSnapshot:
         return np.int32(np.max(np.asarray(pos)) + 1)
 
 
-@_dataclass
+@pytree_dataclass
 class RequestBlocks:
     """The contents of `nb` physical blocks in every compressed layer.
 
@@ -62,7 +63,7 @@ class RequestBlocks:
     hca_kv: KVEntries
 
 
-@_dataclass(static=("has_slot", "bounds"))
+@pytree_dataclass(static=("has_slot", "bounds"))
 class RequestIds:
     """Where one request's copies go in one cache (`request_ids`): checked on
     the host once and held on the device, so the moves given it send no
@@ -102,3 +103,21 @@ def blocks_shapes(config: CacheConfig, num_blocks: int) -> RequestBlocks:
     hca = (config.num_hca, num_blocks, CacheConfig.entries_per_block(C.HCA))
     return RequestBlocks(kv_entry_shapes(config.kv_format, csa), index_key_shapes(csa),
                          kv_entry_shapes(config.kv_format, hca))
+
+
+def check_snapshot(config: CacheConfig, snap) -> None:
+    """ValueError unless `snap` is a `RequestSnapshot` of `config`'s layer
+    pattern and kv_format with the shapes and dtypes that implies."""
+    if not isinstance(snap, RequestSnapshot):
+        raise ValueError(f"snapshot: expected a RequestSnapshot, got {type(snap).__name__}")
+    if (snap.compress_ratios, snap.kv_format) != (config.compress_ratios, config.kv_format):
+        raise ValueError(
+            f"snapshot: taken from a cache of another layout (kv_format {snap.kv_format!r}, "
+            f"{len(snap.compress_ratios)} layers {_ratios(snap.compress_ratios)}); this cache "
+            f"has kv_format {config.kv_format!r}, {config.num_layers} layers "
+            f"{_ratios(config.compress_ratios)}")
+    check_tree("snapshot", snap, snapshot_shapes(config))
+
+
+def _ratios(r):
+    return str(r) if len(r) <= 6 else f"{r[:6]}..."

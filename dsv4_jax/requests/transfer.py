@@ -18,7 +18,7 @@ donated by the writes: take back the state they return); called inside a
 trace it is inlined into the caller's program. Slots and block ids given as
 Python ints or numpy are checked and sent to the device with the call; a
 `RequestIds` (`request_ids`) is already there, so a move sends nothing. Every
-copy moves bits (`dsv4_jax.request_copies`: one `copy_rows` call over every
+copy moves bits (requests/copies.py: one `copy_rows` call over every
 leaf where its FFI handlers are built, else jnp slices and scatters of the
 leaves' bits), so nothing is rounded, a -0 stays -0 and a NaN payload is
 kept.
@@ -40,16 +40,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import CacheConfig
-from .ops._dispatch import auto_means
-from .request_copies import BODIES, READS
-from .request_types import (RequestBlocks, RequestIds, RequestSnapshot, blocks_shapes,
-                            snapshot_shapes)
-from .state import CacheState
+from ..config import CacheConfig
+from ..ops._dispatch import auto_means
+from ..state import CacheState, check_tree
+from .copies import BODIES, READS
+from .types import RequestBlocks, RequestIds, RequestSnapshot, blocks_shapes, check_snapshot
 
-__all__ = ["RequestSnapshot", "RequestBlocks", "RequestIds", "snapshot_shapes", "blocks_shapes",
-           "request_ids", "snapshot", "restore", "read_blocks", "write_blocks", "read_request",
-           "write_request", "check_snapshot", "check_tree"]
+__all__ = ["request_ids", "snapshot", "restore", "read_blocks", "write_blocks", "read_request",
+           "write_request"]
 
 
 # ---- placement -----------------------------------------------------------------------------
@@ -117,37 +115,6 @@ def _check_slot(state: CacheState, slot) -> np.int32:
                          f"{', global over the shards' if state.config.sharded else ''}), "
                          f"got {slot!r}")
     return np.int32(slot)
-
-
-def check_snapshot(config: CacheConfig, snap) -> None:
-    """ValueError unless `snap` is a `RequestSnapshot` of `config`'s layer
-    pattern and kv_format with the shapes and dtypes that implies."""
-    if not isinstance(snap, RequestSnapshot):
-        raise ValueError(f"snapshot: expected a RequestSnapshot, got {type(snap).__name__}")
-    if (snap.compress_ratios, snap.kv_format) != (config.compress_ratios, config.kv_format):
-        raise ValueError(
-            f"snapshot: taken from a cache of another layout (kv_format {snap.kv_format!r}, "
-            f"{len(snap.compress_ratios)} layers {_ratios(snap.compress_ratios)}); this cache "
-            f"has kv_format {config.kv_format!r}, {config.num_layers} layers "
-            f"{_ratios(config.compress_ratios)}")
-    check_tree("snapshot", snap, snapshot_shapes(config))
-
-
-def _ratios(r):
-    return str(r) if len(r) <= 6 else f"{r[:6]}..."
-
-
-def check_tree(name, tree, want):
-    """ValueError naming the first leaf of `tree` whose shape or dtype is not
-    that of `want` (a pytree of ShapeDtypeStruct)."""
-    got_leaves = jax.tree_util.tree_leaves_with_path(tree)
-    want_leaves = jax.tree_util.tree_leaves(want)
-    if len(got_leaves) != len(want_leaves):
-        raise ValueError(f"{name}: expected {len(want_leaves)} arrays, got {len(got_leaves)}")
-    for (path, x), w in zip(got_leaves, want_leaves):
-        if tuple(np.shape(x)) != w.shape or np.dtype(x.dtype) != np.dtype(w.dtype):
-            raise ValueError(f"{name}{jax.tree_util.keystr(path)}: expected {w.dtype}"
-                             f"{list(w.shape)}, got {x.dtype}{list(np.shape(x))}")
 
 
 def _check_blocks(state: CacheState, blocks, what="blocks", distinct=False) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The copies of a request's moves as traced code (`dsv4_jax.request_state`
+"""The copies of a request's moves as traced code (requests/transfer.py
 runs them as jitted programs or inlines them into a caller's trace), one
 body per kind of move, each taking the state and a `RequestIds`.
 
@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ops import copy_rows
-from .ops._dispatch import resolve_impl
-from .request_types import (RequestBlocks, RequestIds, RequestSnapshot, blocks_shapes,
-                            snapshot_shapes)
-from .state import CacheState
+from ..ops import copy_rows
+from ..ops._dispatch import resolve_impl
+from ..sharded_state import run_sharded
+from ..state import CacheState
+from .types import RequestBlocks, RequestIds, RequestSnapshot, blocks_shapes, snapshot_shapes
 
 
 # ---- bits -----------------------------------------------------------------------------
@@ -155,7 +155,6 @@ def _over_shards(state: CacheState, body, operands, out):
     cfg = state.config
     if not cfg.sharded:
         return body(state, 0, 0, *operands)
-    from .sharding import run_sharded
     local = cfg.local()
 
     def per_shard(st, *ops):

@@ -2,7 +2,7 @@
 preemption to host memory and back, export and import as plain arrays.
 
 Each function pairs a `CacheManager` (or `ShardedCacheManager`) change with
-the device copies of `request_state`, checks everything it can first, and
+the device copies of requests/transfer.py, checks everything it can first, and
 leaves the manager and the state unchanged when it raises. Called between
 steps; the writes donate the state (take back the state they return).
 
@@ -21,11 +21,12 @@ from typing import Hashable
 import jax
 import numpy as np
 
-from .config import BLOCK_TOKENS
-from .manager import bucket
-from .request_state import (RequestBlocks, RequestSnapshot, blocks_shapes, check_snapshot,
-                            check_tree, read_request, request_ids, restore, snapshot,
-                            snapshot_shapes, write_request)
+from ..config import BLOCK_TOKENS
+from ..meta import bucket
+from ..state import check_tree
+from .transfer import read_request, request_ids, restore, snapshot, write_request
+from .types import (RequestBlocks, RequestSnapshot, blocks_shapes, check_snapshot,
+                    snapshot_shapes)
 
 
 @dataclasses.dataclass(frozen=True)

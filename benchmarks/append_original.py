@@ -1,5 +1,5 @@
 """The original PyTorch append kernel (original_append_swa.cu of the peers
-folder) timed on the workload of append_vs_original.py. A script of its own,
+folder) timed on the workload of bench_append_vs_original.py. A script of its own,
 importing neither JAX nor this package, so that it runs in a torch
 interpreter of its own: torch and JAX never share a process or the GPU's
 memory pool.

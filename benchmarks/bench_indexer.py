@@ -17,8 +17,7 @@ median of `--repeats` runs. The copy bandwidth behind the floor is device
 time too: one kernel reading and writing 1 GiB. With `--impl cpu` (a smoke
 run) host times stand in.
 
-    python -m dsv4_jax.bench.indexer [--json PATH] [--contexts 8192 65536 1048576]
-    python benchmarks/indexer.py ...        # the same, from a checkout
+    python benchmarks/bench_indexer.py [--json PATH] [--contexts 8192 65536 1048576]
 """
 from __future__ import annotations
 
@@ -32,27 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import CacheConfig, IndexerKeys, indexer_topk, init_state
-from .device_timeline import kernel_events, median_period_us
+from dsv4_jax import CacheConfig, IndexerKeys, indexer_topk, init_state
+from dsv4_jax.bench.device_timeline import kernel_events, median_period_us
+from dsv4_jax.arguments import output_path
+from device import copy_bandwidth
 
 KEY_BYTES = 68
-
-
-def copy_bandwidth(nbytes=1 << 30, reps=5):
-    """Device copy bandwidth in B/s (bytes read + bytes written): the fastest
-    of `reps` runs of one kernel (x + 1) on the GPU's timeline, or host-timed
-    where there is no GPU."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)
-    events = kernel_events(f, x, runs=reps)
-    if events:   # one kernel a run; the reps longest events, should others appear
-        return 2 * nbytes / (min(sorted(d for _, d, _ in events)[-reps:]) * 1e-9)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return 2 * nbytes / min(ts)
 
 
 KEY_KINDS = ("quantized", "random-scales")
@@ -146,7 +130,7 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_path, help="write the rows here")
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536, 1048576])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--k", type=int, default=512)
