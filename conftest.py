@@ -37,6 +37,7 @@ SLOW = {
     "test_demo_fails_on_a_corrupted_cache",
     "test_demo_with_impl_reference_says_what_it_checked",
     "test_demo_preempts_and_resumes_mid_decode_and_still_passes",
+    "test_demo_speculative_keeps_random_prefixes_and_passes",
     "test_demo_layer_scan_equals_unrolled_layers",
     # the benchmarks' whole quick runs and the decode-step bench's parity (the
     # bench command on two ops and the decode step's quick run stay)

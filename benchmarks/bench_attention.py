@@ -119,7 +119,7 @@ def _row(b, case, us, visited, T, H, nbytes):
                 copy_frac=copy_us / us, tflops=flops / us / 1e6)
 
 
-def bench_decode(b, batches, contexts, kinds, H, k, peak):
+def bench_decode(b, batches, contexts, kinds, H, k, peak, with_baseline=True):
     rng = np.random.default_rng(0)
     inv = jnp.asarray(yarn_inv_freq())
     for ctx in contexts:
@@ -142,18 +142,20 @@ def bench_decode(b, batches, contexts, kinds, H, k, peak):
                 args = (state, q, tk, slot, pos, sink)
                 visited = B * (C.WINDOW + (k if kind == "csa" else ctx // C.HCA_RATIO))
                 us, host_us, dev_us = _timed(b, lambda: fused(*args))
-                base_us, base_host_us, base_dev_us = _timed(b, lambda: base(*args))
                 nbytes = visited * ENTRY_BYTES + 2 * B * H * C.HEAD_DIM * 2
                 row = _row(b, dict(op="attention", mode="decode", kind=kind, B=B, context=ctx),
                            us, visited, B, H, nbytes)
-                row.update(peak_frac=row["tflops"] / peak, baseline_us=base_us,
-                           speedup=base_us / us, host_us=host_us, dev_us=dev_us,
-                           baseline_host_us=base_host_us, baseline_dev_us=base_dev_us,
-                           rel_diff=_rel_diff(fused(*args)[0], base(*args)))
+                row.update(peak_frac=row["tflops"] / peak, host_us=host_us, dev_us=dev_us)
+                if with_baseline:
+                    base_us, base_host_us, base_dev_us = _timed(b, lambda: base(*args))
+                    row.update(baseline_us=base_us, speedup=base_us / us,
+                               baseline_host_us=base_host_us, baseline_dev_us=base_dev_us,
+                               rel_diff=_rel_diff(fused(*args)[0], base(*args)))
                 b.record(**row)
+            del state
 
 
-def bench_prefill(b, n, kinds, H, k, peak):
+def bench_prefill(b, n, kinds, H, k, peak, with_baseline=True):
     """One request's first chunk of n tokens (flushed entries for all of it)."""
     rng = np.random.default_rng(1)
     inv = jnp.asarray(yarn_inv_freq())
@@ -171,19 +173,21 @@ def bench_prefill(b, n, kinds, H, k, peak):
         tk = topk if kind == "csa" else None
         calls = {impl: jax.jit(lambda st, q_, tk_, ck, sl, ps, sk, impl=impl: attention(
             st, layer, q_, sl, ps, sink=sk, topk=tk_, chunk_kv=ck, rope_inv_freq=inv,
-            impl=impl, return_state=False)) for impl in ("auto", "reference")}
+            impl=impl, return_state=False))
+            for impl in (("auto", "reference") if with_baseline else ("auto",))}
         args = (state, q, tk, chunk, slot, pos, sink)     # not captured: see bench_decode
         us, host_us, dev_us = _timed(b, lambda: calls["auto"](*args))
-        ref_us, ref_host_us, ref_dev_us = _timed(b, lambda: calls["reference"](*args))
         p = np.arange(n)
         comp = np.minimum((p + 1) // 4, k) if kind == "csa" else (p + 1) // C.HCA_RATIO
         visited = int(np.sum(np.minimum(p + 1, C.WINDOW) + comp))
         row = _row(b, dict(op="attention", mode="prefill", kind=kind, B=1, context=n), us,
                    visited, n, H, visited * ENTRY_BYTES + 4 * n * H * C.HEAD_DIM)
-        row.update(peak_frac=row["tflops"] / peak, baseline_us=ref_us, speedup=ref_us / us,
-                   host_us=host_us, dev_us=dev_us, baseline_host_us=ref_host_us,
-                   baseline_dev_us=ref_dev_us,
-                   rel_diff=_rel_diff(calls["auto"](*args)[0], calls["reference"](*args)[0]))
+        row.update(peak_frac=row["tflops"] / peak, host_us=host_us, dev_us=dev_us)
+        if with_baseline:
+            ref_us, ref_host_us, ref_dev_us = _timed(b, lambda: calls["reference"](*args))
+            row.update(baseline_us=ref_us, speedup=ref_us / us, baseline_host_us=ref_host_us,
+                       baseline_dev_us=ref_dev_us,
+                       rel_diff=_rel_diff(calls["auto"](*args)[0], calls["reference"](*args)[0]))
         b.record(**row)
 
 
@@ -193,16 +197,24 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=output_path, help="write the rows to this file")
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="time attention alone (no gathers + dense path, no jnp reference)")
+    ap.add_argument("--batches", type=lambda v: tuple(int(x) for x in v.split(",")),
+                    default=(1, 8, 64, 128), help="decode batch sizes (default 1,8,64,128)")
     args = ap.parse_args(argv)
+    base = not args.no_baseline
     if args.quick:
         b = BenchRun(Settings(reps=args.reps or 2, batch=1, with_reference=False))
-        bench_decode(b, (1, 2), (512,), ("csa", "hca"), H=4, k=16, peak=args.peak_tflops)
-        bench_prefill(b, 256, ("csa", "hca"), H=4, k=16, peak=args.peak_tflops)
+        bench_decode(b, (1, 2), (512,), ("csa", "hca"), H=4, k=16, peak=args.peak_tflops,
+                     with_baseline=base)
+        bench_prefill(b, 256, ("csa", "hca"), H=4, k=16, peak=args.peak_tflops,
+                      with_baseline=base)
     else:
         b = BenchRun(Settings(reps=args.reps or 20, batch=10, with_reference=False))
-        bench_decode(b, (1, 8, 64, 128), (4096, 65536), ("csa", "hca"), H=64, k=512,
-                     peak=args.peak_tflops)
-        bench_prefill(b, 4096, ("csa", "hca"), H=64, k=512, peak=args.peak_tflops)
+        bench_decode(b, args.batches, (4096, 65536), ("csa", "hca"), H=64, k=512,
+                     peak=args.peak_tflops, with_baseline=base)
+        bench_prefill(b, 4096, ("csa", "hca"), H=64, k=512, peak=args.peak_tflops,
+                      with_baseline=base)
     rate = _copy_rate(b)
     b.record(op="copy", gbps=rate / 1e9 if rate else b.copy_gbps,
              timeline=rate is not None)
@@ -211,3 +223,7 @@ def main(argv=None) -> int:
             json.dump({"platform": b.platform, "rows": b.rows}, f, indent=1,
                       default=lambda v: v if not isinstance(v, float) or math.isfinite(v) else None)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,14 +1,15 @@
 // CUDA handler of append (operands in ffi/append.h, rules in
 // dsv4_jax/ops/append.py). One launch of the block code of
 // cuda/append_block.cuh (how it finds each cell's winner and why that is
-// exact: its header), in clusters of up to 8 blocks, launched so that its
-// prologue may run under its predecessor's tail.
+// exact: its header): a scan grid of small blocks (a warp a token) for
+// decode-sized calls, else blocks of 512 threads in clusters of up to 8;
+// launched so that it may start under its predecessor's tail.
 #include <cuda_runtime.h>
 
 #include "append.h"
 #include "append_block.cuh"
 #include "handlers_cuda.h"
-#include "kernels.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace {
@@ -17,6 +18,7 @@ using append_kernel::AppendPlan;
 using append_kernel::kThreads;
 
 constexpr int kBlocksPerSm = 2;
+constexpr int kScanBlocksPerSm = 4;
 
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) AppendKernel(AppendArgs a,
                                                                        AppendPlan plan) {
@@ -34,9 +36,15 @@ ffi::Error AppendImpl(cudaStream_t stream, int64_t kv_format, int64_t max_contex
   DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
                                       swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
                                       entry_rets, &a));
-  const AppendPlan plan = append_kernel::FitAppendPlan<AppendKernel, kBlocksPerSm>(a.T, a.R);
+  // a scan grid: its tokens spread four blocks a multiprocessor deep, a
+  // block only as wide as its tokens (it has no barrier)
+  const AppendPlan plan = append_kernel::FitAppendPlan<AppendKernel, kBlocksPerSm>(
+      a.T, a.R, int64_t{kScanBlocksPerSm} * cuda::SmCount());
+  const unsigned threads = plan.mode == append_kernel::AppendMode::kScan
+                               ? 32u * static_cast<unsigned>(plan.block_tokens)
+                               : static_cast<unsigned>(kThreads);
   return cuda::LaunchResult(
-      cuda::LaunchOverlapped(AppendKernel, dim3(plan.blocks), dim3(kThreads), plan.smem,
+      cuda::LaunchOverlapped(AppendKernel, dim3(plan.blocks), dim3(threads), plan.smem,
                              plan.cluster, stream, a, plan),
       "append");
 }

@@ -8,9 +8,10 @@
 // entry from the same registers.
 //
 // Who wins is decided one of three ways, all exact. A call of at most
-// kSmallCall rows (a decode step's) runs in one block that compares every row
-// with every other in shared memory (AppendSmall: no cluster, one barrier,
-// nothing to check first). Larger calls pick one of two after checking the
+// kScanCall rows (a decode step's, a short chunk) gives each token a warp of
+// its own that reads every row's slot and position and looks for a row that
+// beats its token (AppendScan: no barrier, no cluster, the tokens spread over
+// the multiprocessors). Larger calls pick one of two after checking the
 // call's shape (all their blocks agree):
 //
 // * Grouped runs (what CacheManager emits): every slot's rows form one
@@ -26,7 +27,9 @@
 //   the tokens.
 //
 //   The check: the rows are split among the blocks of a thread-block
-//   cluster (up to 8). A row continuing its predecessor's slot must have the
+//   cluster (up to 8; a cluster of one below kClusterCall rows, where every
+//   block reading all the metadata is expected to cost less than the
+//   cluster's barriers). A row continuing its predecessor's slot must have the
 //   next position; a row starting a run sets its slot's bit in a bitmap
 //   spread over the cluster's shared memory, and finding the bit already set
 //   means a second run of that slot. Every cluster checks the whole call, so
@@ -54,7 +57,10 @@
 #include <cstdint>
 
 #include "append.h"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "entry_warp.cuh"
+#include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace append_kernel {
@@ -63,34 +69,51 @@ namespace cg = cooperative_groups;
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kTokensPerBlock = 32;    // two a warp, where T leaves enough blocks
+constexpr int kTokensPerBlock = 32;    // clustered runs: two a warp, where T leaves enough blocks
 constexpr int kMaxCluster = 8;         // the portable cluster size
 constexpr int64_t kTableCap = 4096;    // keys of one any-order pass: 32 KiB
 constexpr int kBatch = 4;              // metadata rows a thread loads before using them
-constexpr int kSmallCall = 64;         // rows one block takes whole, no cluster (4 a warp)
-constexpr int kSmallPerWarp = kSmallCall / kWarps;
+constexpr int64_t kScanCall = 1024;     // rows up to which every token scans the call
+constexpr int64_t kClusterCall = 16384; // rows from which the shape check is split in clusters
+constexpr int kRunTokensPerBlock = 16;  // one a warp, clusters of one
+
+enum class AppendMode : int {
+  kScan,   // AppendScan: a warp a token, each scanning the call's metadata
+  kRuns,   // the shape check, then grouped runs or any order
+};
 
 // The append role's launch, chosen on the host from T, R and the most blocks
 // that run at once (two a multiprocessor for the append kernel, one beside
 // flush; with clusters, what MaxActiveClusters allows: see FitAppendPlan).
 struct AppendPlan {
-  bool small = false;        // T <= kSmallCall: one block, AppendSmall
+  AppendMode mode = AppendMode::kRuns;
   unsigned blocks = 1;       // G, a multiple of `cluster`
   unsigned cluster = 1;      // blocks of one cluster
+  int block_tokens = 1;      // kScan: tokens (warps) of a block
   int64_t bitmap_words = 0;  // run-start bitmap words a block keeps (0: too many slots)
   int64_t table_cap = 1;     // cells of one any-order pass
   size_t smem = 0;           // dynamic shared memory a block needs
 };
 
-inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most) {
+// `scan_blocks`: the blocks a scan grid may spread its tokens over (they
+// take up to kWarps tokens each).
+inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most, int64_t scan_blocks) {
   AppendPlan p;
-  if (T <= kSmallCall) {
-    p.small = true;
+  if (T <= kScanCall) {
+    p.mode = AppendMode::kScan;
+    const int64_t spread = scan_blocks < 1 ? 1 : scan_blocks;
+    int64_t per = (T + spread - 1) / spread;
+    per = per < 1 ? 1 : (per > kWarps ? kWarps : per);
+    p.block_tokens = static_cast<int>(per);
+    const int64_t blocks = (T + per - 1) / per;   // more tokens than that: a warp takes several
+    p.blocks = static_cast<unsigned>(blocks < 1 ? 1 : (blocks > spread ? spread : blocks));
     return p;
   }
-  int64_t want = (T + kTokensPerBlock - 1) / kTokensPerBlock;
+  const int tokens = T >= kClusterCall ? kTokensPerBlock : kRunTokensPerBlock;
+  int64_t want = (T + tokens - 1) / tokens;
   want = want < 1 ? 1 : (want > most ? most : want);
-  p.cluster = want >= kMaxCluster ? kMaxCluster : want >= 4 ? 4 : want >= 2 ? 2 : 1;
+  if (T < kClusterCall) p.cluster = 1;
+  else p.cluster = want >= kMaxCluster ? kMaxCluster : want >= 4 ? 4 : want >= 2 ? 2 : 1;
   p.blocks = static_cast<unsigned>((want + p.cluster - 1) / p.cluster * p.cluster);
   const int64_t words = (R + 31) / 32;
   const int64_t per_block = (words + p.cluster - 1) / p.cluster;
@@ -111,8 +134,9 @@ inline AppendPlan PlanAppend(int64_t T, int64_t R, int64_t most) {
 // device and cluster size, with the most shared memory a plan takes
 // (registers, not shared memory, bound these blocks).
 template <auto kKernel, int kBlocksPerSm>
-AppendPlan FitAppendPlan(int64_t T, int64_t R) {
-  AppendPlan p = PlanAppend(T, R, int64_t{kBlocksPerSm} * cuda::SmCount());
+AppendPlan FitAppendPlan(int64_t T, int64_t R, int64_t scan_blocks) {
+  const int64_t most = int64_t{kBlocksPerSm} * cuda::SmCount();
+  AppendPlan p = PlanAppend(T, R, most, scan_blocks);
   if (p.cluster <= 1) return p;
   static std::atomic<int> fits[64][4];  // device x cluster 1, 2, 4, 8; 0: not asked yet
   int dev = 0;
@@ -125,7 +149,7 @@ AppendPlan FitAppendPlan(int64_t T, int64_t R) {
     fits[dev][c].store(clusters > 0 ? clusters : -1, std::memory_order_relaxed);
   }
   const int64_t fit = int64_t{clusters} * p.cluster;
-  if (fit >= p.cluster && fit < p.blocks) p = PlanAppend(T, R, fit);
+  if (fit >= p.cluster && fit < p.blocks) p = PlanAppend(T, R, fit, scan_blocks);
   return p;
 }
 
@@ -133,10 +157,6 @@ AppendPlan FitAppendPlan(int64_t T, int64_t R) {
 struct AppendShared {
   int out_of_shape;      // set by any block of the cluster that finds the call not grouped
   int first_pass, last_pass;
-  // AppendSmall's view of the call: slot (-1 if the token is dropped) and
-  // position of each row, and whether its row is finite
-  int32_t small_slot[kSmallCall], small_pos[kSmallCall];
-  uint8_t small_finite[kSmallCall];
 };
 
 // The blocks of this block's cluster; a launch without clusters is a cluster
@@ -362,58 +382,79 @@ __device__ inline void AppendAnyOrder(const AppendArgs& a, const AppendPlan& pla
   if (lane == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
 }
 
-// ---- small calls -------------------------------------------------------------------------
-// T <= kSmallCall rows in one block: each warp loads its rows (all at once),
-// the block shares every row's cell and finiteness through shared memory,
-// and a token's warp writes its cell unless a finite row of the same cell
-// has a larger position, or the same one later in the call. Any order; one
-// barrier; nothing scans more than the call's own 64 rows.
-__device__ inline void AppendSmall(const AppendArgs& a, AppendShared& sh) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  cuda::WaitForPrevious();
-  Row rows[kSmallPerWarp];
+// ---- scan --------------------------------------------------------------------------------
+// Calls of at most kScanCall rows: a warp a token (several, one after
+// another, where the tokens outnumber the grid's warps), plan.block_tokens
+// tokens a block and no barrier, so that the host can spread a decode step's
+// tokens over the multiprocessors (each is a short chain of dependent loads
+// and an encode; one block ran them four to a warp, one after another). The
+// warp reads every row's slot and position (8 bytes a row, from L1 after the
+// first warp of a multiprocessor) looking for rows that beat its token in its
+// cell (the same slot and ring slot, a larger position, or the same one
+// later in the call); only such a row is read, for its finiteness, and the
+// first finite one ends the search. A call whose cells hold one token each
+// (a decode step) reads every row once. Any order.
+//
+// Token t of a scan: counted if dropped, written if it wins its cell. Its
+// slot, position and row are loaded by the caller. All lanes of the warp call.
+__device__ inline void ScanToken(const AppendArgs& a, int64_t l, int64_t t, int32_t s, int32_t p,
+                                 const Row& row) {
+  const int lane = threadIdx.x & 31;
+  const bool slot_ok = s >= 0 && s < a.R, valid = slot_ok && p >= 0 && p < a.max_context;
+  if (!valid) {  // counted once, by the token's own warp (warp-uniform)
+    if (lane == 0 && s != -1) atomicAdd(&a.errors[slot_ok ? kBadPosition : kBadSlot], 1);
+    return;
+  }
+  if (!WarpFinite(row)) {
+    if (lane == 0) atomicAdd(&a.errors[kNonfinite], 1);
+    return;
+  }
+  for (int64_t base = 0; base < a.T; base += 32 * kBatch) {
+    bool beats[kBatch];
 #pragma unroll
-  for (int j = 0; j < kSmallPerWarp; ++j)
-    if (warp + j * kWarps < a.T) rows[j] = LoadRow(a, warp + j * kWarps);
+    for (int j = 0; j < kBatch; ++j) {  // kBatch loads of each kind in flight
+      const int64_t u = base + 32 * j + lane;
+      int32_t su = -1, pu = 0;
+      if (u < a.T) {
+        su = __ldg(a.slot + u);
+        pu = __ldg(a.pos + u);
+      }
+      beats[j] = su == s && u != t && pu < a.max_context && ((pu ^ p) & (kWindow - 1)) == 0 &&
+                 (pu > p || (pu == p && u > t));
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      for (unsigned m = __ballot_sync(cuda::kFull, beats[j]); m != 0; m &= m - 1) {
+        const int64_t u = base + 32 * j + __ffs(m) - 1;
+        if (WarpFinite(LoadRow(a, u))) return;  // a finite row takes the cell
+      }
+  }
+  WriteEntry(a, l, s, p, row);
+}
+
+__device__ inline void AppendScan(const AppendArgs& a, const AppendPlan& plan, unsigned block) {
+  cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
+  cuda::LetNextStart();     // a kernel launched overlapped after this one waits for it
+  const int warp = threadIdx.x >> 5;
+  const int64_t stride = int64_t{plan.blocks} * plan.block_tokens;
+  int64_t t = int64_t{block} * plan.block_tokens + warp;
+  const bool has = warp < plan.block_tokens && t < a.T;
   int32_t s = -1, p = 0;
-  if (tid < a.T) {
-    s = __ldg(a.slot + tid);
-    p = __ldg(a.pos + tid);
+  Row row;
+  if (has) {  // all three loads at once: the row's address needs only t
+    s = __ldg(a.slot + t);
+    p = __ldg(a.pos + t);
+    row = LoadRow(a, t);
   }
   int64_t l;
-  if (!cuda::LayerOkCountedBy(true, a.layer, a.L, a.errors, &l)) return;  // block-uniform
-  const bool slot_ok = s >= 0 && s < a.R, valid = slot_ok && p >= 0 && p < a.max_context;
-  if (tid < kSmallCall) {  // warps 0 and 1: one row a thread
-    cuda::WarpCount(a.errors, kBadSlot, !slot_ok && s != -1);
-    cuda::WarpCount(a.errors, kBadPosition, slot_ok && !valid);
-    sh.small_slot[tid] = valid ? s : -1;
-    sh.small_pos[tid] = p;
-  }
-  __syncthreads();  // every row's slot before the finiteness count reads it
-  int nonfinite = 0;
-#pragma unroll
-  for (int j = 0; j < kSmallPerWarp; ++j) {
-    const int t = warp + j * kWarps;
-    if (t >= a.T) break;
-    const bool finite = WarpFinite(rows[j]);
-    nonfinite += !finite && sh.small_slot[t] >= 0;
-    if (lane == 0) sh.small_finite[t] = finite;
-  }
-  if (lane == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < kSmallPerWarp; ++j) {
-    const int t = warp + j * kWarps;
-    if (t >= a.T) break;
-    const int32_t st = sh.small_slot[t], pt = sh.small_pos[t];
-    if (st < 0 || !sh.small_finite[t]) continue;  // warp-uniform
-    bool beaten = false;
-    for (int u = lane; u < a.T; u += 32) {
-      const int32_t pu = sh.small_pos[u];
-      beaten |= sh.small_slot[u] == st && sh.small_finite[u] &&
-                ((pu ^ pt) & (kWindow - 1)) == 0 && (pu > pt || (pu == pt && u > t));
-    }
-    if (!__any_sync(cuda::kFull, beaten)) WriteEntry(a, l, st, pt, rows[j]);
+  if (!cuda::LayerOkCountedBy(block == 0, a.layer, a.L, a.errors, &l) || !has) return;
+  for (;;) {  // grid-stride, where the tokens outnumber the grid's warps
+    ScanToken(a, l, t, s, p, row);
+    t += stride;
+    if (t >= a.T) return;
+    s = __ldg(a.slot + t);
+    p = __ldg(a.pos + t);
+    row = LoadRow(a, t);
   }
 }
 
@@ -422,7 +463,7 @@ __device__ inline void AppendSmall(const AppendArgs& a, AppendShared& sh) {
 // dynamic shared memory (the bitmap, then the any-order table).
 __device__ inline void AppendBlock(const AppendArgs& a, const AppendPlan& plan, unsigned block,
                                    unsigned char* smem, AppendShared& sh) {
-  if (plan.small) return AppendSmall(a, sh);
+  if (plan.mode == AppendMode::kScan) return AppendScan(a, plan, block);
   const Cluster c{plan.cluster, block % plan.cluster};
   uint32_t* bitmap = reinterpret_cast<uint32_t*>(smem);
   for (int64_t i = threadIdx.x; i < plan.bitmap_words; i += kThreads) bitmap[i] = 0u;

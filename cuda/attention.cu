@@ -13,7 +13,7 @@
 #include "attention_simt.cuh"
 #include "attention_wgmma.cuh"
 #include "handlers_cuda.h"
-#include "kernels.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace {
@@ -74,20 +74,9 @@ ffi::Error LaunchTensorCores(const AttentionArgs& a, cudaStream_t stream) {
       "attention");
 }
 
-ffi::Error AttentionImpl(cudaStream_t stream, int64_t kv_format, int64_t kind,
-                         ffi::AnyBuffer layer, ffi::AnyBuffer comp_layer, ffi::AnyBuffer q,
-                         ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer topk,
-                         ffi::AnyBuffer chunk_kv, ffi::AnyBuffer sink, ffi::AnyBuffer inv_freq,
-                         ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,
-                         ffi::AnyBuffer errors_in, ffi::RemainingArgs entry_args,
-                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                         ffi::Result<ffi::AnyBuffer> errors,
-                         ffi::Result<ffi::AnyBuffer> scratch) {
+ffi::Error AttentionImpl(cudaStream_t stream, DSV4_ATTENTION_OPERANDS) {
   AttentionArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateAttention(kv_format, kind, layer, comp_layer, q, token_slot,
-                                         token_pos, topk, chunk_kv, sink, inv_freq, block_table,
-                                         swa_pos, errors_in, entry_args, *out, *lse, *errors,
-                                         *scratch, &a));
+  DSV4_RETURN_IF_ERROR(ValidateAttention(DSV4_ATTENTION_OPERAND_NAMES, &a));
   if (a.has_chunk) {
     if (!AttnBindChunkScratch(&a))
       return ffi::Error::InvalidArgument(

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "attention_items.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace cuda {

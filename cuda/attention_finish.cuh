@@ -48,6 +48,31 @@ __device__ __forceinline__ uint32_t PackBf16x2Rn(float lo, float hi) {
   return r;
 }
 
+// Writes one output row from a warp whose lane holds the fp32 numerators of
+// its two chunks (acc[0..7]: chunk lane, acc[8..15]: chunk lane + 32, the
+// layout of bf16_chunks.cuh): bf16(acc * inv_den), the inverse RoPE of the
+// lane's RoPE pairs at token t's position, packed.
+__device__ __forceinline__ void WarpWriteAttnRow(const AttentionArgs& a, int64_t t, uint4* out,
+                                                 const float* acc, float inv) {
+  const int lane = threadIdx.x & 31;
+  float y[2 * kChunk];
+#pragma unroll
+  for (int k = 0; k < 2 * kChunk; ++k) y[k] = num::RoundBf16(acc[k] * inv);
+  if (a.inv_freq != nullptr && lane + 32 >= kNopeChunks) {   // the lane's RoPE pairs
+    const float pos = static_cast<float>(__ldg(a.pos + t));
+#pragma unroll
+    for (int k = kChunk; k < 2 * kChunk; k += 2) {
+      const int pair = (kChunk * (lane + 32) + k - kChunk - kNopeDim) / 2;
+      InverseRopePair(y[k], y[k + 1], pos * __ldg(a.inv_freq + pair), &y[k], &y[k + 1]);
+    }
+  }
+  uint32_t w[2 * kChunk / 2];
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) w[k] = PackBf16x2Rn(y[2 * k], y[2 * k + 1]);
+  out[lane] = make_uint4(w[0], w[1], w[2], w[3]);
+  out[lane + 32] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
 // Writes head h of token t from one m64nNk16 accumulator fragment row
 // (elements o[4j + 2i + b], output channel col0 + 8j + b, j = 0..31) of a
 // CTA that saw all of the token's rows: bf16(o / den), the inverse RoPE on
@@ -128,23 +153,7 @@ __device__ __forceinline__ void AttnFinish(const AttentionArgs& a, AttnPartial& 
           acc[4 * k + 3] += v[k].w * fi;
         }
       }
-      const float inv = 1.f / den;
-      float y[2 * kChunk];
-#pragma unroll
-      for (int k = 0; k < 2 * kChunk; ++k) y[k] = num::RoundBf16(acc[k] * inv);
-      if (a.inv_freq != nullptr && lane + 32 >= kNopeChunks) {   // the lane's RoPE pairs
-        const float pos = static_cast<float>(__ldg(a.pos + t));
-#pragma unroll
-        for (int k = kChunk; k < 2 * kChunk; k += 2) {
-          const int pair = (kChunk * (lane + 32) + k - kChunk - kNopeDim) / 2;
-          InverseRopePair(y[k], y[k + 1], pos * __ldg(a.inv_freq + pair), &y[k], &y[k + 1]);
-        }
-      }
-      uint32_t w[2 * kChunk / 2];
-#pragma unroll
-      for (int k = 0; k < kChunk; ++k) w[k] = PackBf16x2Rn(y[2 * k], y[2 * k + 1]);
-      out[lane] = make_uint4(w[0], w[1], w[2], w[3]);
-      out[lane + 32] = make_uint4(w[4], w[5], w[6], w[7]);
+      WarpWriteAttnRow(a, t, out, acc, 1.f / den);
       if (lane == 0) a.lse[t * a.H + h] = (big + __log2f(den)) * kLn2;
     }
   }

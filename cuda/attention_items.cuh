@@ -9,7 +9,8 @@
 #include <climits>
 
 #include "attention.h"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "entry_warp.cuh"
 
 namespace dsv4 {
 namespace cuda {

@@ -10,7 +10,7 @@
 // into a per-warp one-entry pool first, so it reads back as append stores
 // it). Each warp then runs the online softmax of its heads over the tile: a
 // lane owns the 16 channels of its two 8-channel chunks (the entry layout of
-// kernels.cuh), the logit is a warp sum, the weights e^(s - m) are rounded to
+// bf16_chunks.cuh), the logit is a warp sum, the weights e^(s - m) are rounded to
 // bf16 for P.V and summed unrounded for the denominator, and the running max
 // starts at the sink (docs/design.md §6: the online form rounds each weight
 // relative to the running max; the bound there covers it).
@@ -18,7 +18,9 @@
 
 #include <cuda_runtime.h>
 
+#include "attention_finish.cuh"
 #include "attention_items.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace cuda {
@@ -44,11 +46,6 @@ struct Shared {
   int warp_count[kWarps];
   int first_pos;
 };
-
-// The channel of element i (0..15) of a lane's two chunks.
-__device__ __forceinline__ int LaneChannel(int lane, int i) {
-  return i < cuda::kChunk ? cuda::kChunk * lane + i : cuda::kChunk * (lane + 32) + i - cuda::kChunk;
-}
 
 // A lane's 16 channels of a bf16 row (global or shared) as fp32.
 __device__ __forceinline__ void LoadLaneRow(const uint16_t* row, int lane, float* x) {
@@ -133,19 +130,7 @@ __device__ void FinishHead(const AttentionArgs& a, int64_t t, int64_t h, const H
     if (lane == 0) a.lse[t * a.H + h] = -INFINITY;
     return;
   }
-  float y[kLaneChannels];
-#pragma unroll
-  for (int i = 0; i < kLaneChannels; ++i) y[i] = num::RoundBf16(st.acc[i] / st.den);
-  if (a.inv_freq != nullptr && lane + 32 >= cuda::kNopeChunks) {   // this lane's RoPE pairs
-    const float pos = static_cast<float>(__ldg(a.pos + t));
-#pragma unroll
-    for (int i = cuda::kChunk; i < kLaneChannels; i += 2) {
-      const int k = (LaneChannel(lane, i) - kNopeDim) / 2;
-      InverseRopePair(y[i], y[i + 1], pos * __ldg(a.inv_freq + k), &y[i], &y[i + 1]);
-    }
-  }
-  out[lane] = cuda::PackBf16x8(y);
-  out[lane + 32] = cuda::PackBf16x8(y + cuda::kChunk);
+  cuda::WarpWriteAttnRow(a, t, out, st.acc, 1.f / st.den);
   if (lane == 0) a.lse[t * a.H + h] = st.m + logf(st.den);
 }
 

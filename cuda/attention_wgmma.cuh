@@ -29,6 +29,7 @@
 #include "attention_finish.cuh"
 #include "attention_items.cuh"
 #include "cp_async.cuh"
+#include "launch.cuh"
 #include "wgmma.cuh"
 
 namespace dsv4 {
@@ -523,7 +524,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     Consume(a, shared, splits, split, t, h0, tid < 256 ? 0 : 1);
     if (splits > 1) RegsDown<kLaunchRegs>();
   }
-  LetNextStart();                              // the next kernel's prologue may start
+  // No LetNextStart: a dependent kernel's CTAs would take the SMs this one
+  // leaves and wait on them, which overlaps nothing at one CTA an SM.
   if (splits > 1) AttnFinish(a, shared.part, splits, t, h0);
 }
 

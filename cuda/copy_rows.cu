@@ -20,7 +20,7 @@
 
 #include "copy_rows.h"
 #include "handlers_cuda.h"
-#include "kernels.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace {

@@ -10,7 +10,7 @@
 #include "flush_block.cuh"
 #include "flush_windows.cuh"
 #include "handlers_cuda.h"
-#include "kernels.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace {

@@ -10,16 +10,25 @@
 // indexer's). The gating is the host's (ffi/flush.h): the k-th row of the
 // request has the expected position p0 + k, and the row whose expected
 // position ends window w closes it, dropped or not. A closing row runs the
-// epilogue across the block (shared memory for RMSNorm's ordered partial
-// sums, RoPE pairs and the Hadamard butterflies) and one warp stores the
-// entry. Dropped rows are counted once each, by the block that owns the row
-// (bad slot) or the request (bad position, missing block, NaN/Inf).
+// epilogue across the block (BlockCloseEntry: the main entry and the indexer
+// key side by side, four block barriers) and one warp stores the entry.
+// Dropped rows are counted once each, by the block that owns the row (bad
+// slot) or the request (bad position, missing block, NaN/Inf).
+//
+// A decode-sized call (T <= kThreads rows) takes each row's slot in one load
+// a thread: the rows of a request are a bitmask (MaskRows), and the block
+// issues the request's accumulator and first-row loads before it agrees that
+// the row is the request's first, so its chain is two rounds of loads, the
+// row's vote and the epilogue. Larger calls search for the rows (SearchRows).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "flush.h"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "entry_warp.cuh"
+#include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace flush_kernel {
@@ -31,61 +40,8 @@ struct FlushShared {
   float ix[kIndexDim];  // indexer key under its epilogue
   float ss[2];          // sums of squares (main, index)
   int next_row;         // offset of the request's next row within a searched span
+  uint32_t rows[kThreads / 32];  // MaskRows: bit t of the request's rows
 };
-
-// The epilogue of docs/design.md §3 on a d-channel row held one channel per thread
-// (threads >= d only take part in the barriers). `v` is this thread's pooled
-// value; on return xs[0..d) holds the bf16-valued row to store.
-__device__ inline void BlockEpilogue(float v, int d, const float* norm, const float* inv_freq,
-                              int64_t pos, float* xs, float* ss) {
-  const int c = threadIdx.x;
-  const bool active = c < d;
-  if (active) {
-    v = num::RoundBf16(v);
-    xs[c] = v;
-  }
-  __syncthreads();
-  if (c < 32) {
-    // the 32 strided partial sums of num::SumSquares, then its halving fold
-    float part = 0.f;
-    for (int k = c; k < d; k += 32) part = part + xs[k] * xs[k];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) part = part + __shfl_down_sync(cuda::kFull, part, off);
-    if (c == 0) *ss = part;
-  }
-  __syncthreads();
-  if (active) {
-    const float inv = num::RmsInvFromSumSquares(*ss, d);
-    v = num::RoundBf16((v * inv) * __ldg(norm + c));
-    xs[c] = v;
-  }
-  __syncthreads();
-  const int r0 = d - kRopeDim;
-  const bool rope = active && c >= r0;
-  if (rope) {
-    const int k = (c - r0) >> 1;
-    float y0, y1;
-    num::RopePair(xs[r0 + 2 * k], xs[r0 + 2 * k + 1],
-                  static_cast<float>(pos) * __ldg(inv_freq + k), &y0, &y1);
-    v = num::RoundBf16((c & 1) ? y1 : y0);
-  }
-  __syncthreads();
-  if (rope) xs[c] = v;
-  __syncthreads();
-}
-
-// Warp 0 stores the main entry held in xs.
-__device__ inline void StoreEntry(const EntryPool& pool, int64_t e, const float* xs) {
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  float lo[8], hi[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    lo[i] = xs[8 * lane + i];
-    hi[i] = xs[256 + 8 * lane + i];
-  }
-  cuda::WarpEncodeEntry(pool, e, lo, hi);
-}
 
 // MXFP4 block `blk` (channels 32 blk .. 32 blk + 31) of indexer key e, a
 // warp's lanes holding one channel each (its Hadamard output x): bf16
@@ -106,20 +62,104 @@ __device__ inline void StoreMxfp4Block(const FlushArgs& a, int64_t e, int blk, f
   if (lane == 0) a.index_scale[e * kIndexScales + blk] = sb;
 }
 
-// Hadamard, bf16 rounding and MXFP4 of the indexer key in ix (threads 0..127
-// hold a channel; all threads reach the barriers).
-__device__ inline void StoreIndexKey(const FlushArgs& a, int64_t e, float* ix) {
-  const int c = threadIdx.x;
-  for (int h = 1; h < kIndexDim; h <<= 1) {
-    if (c < kIndexDim / 2) {
-      const int j = (c / h) * 2 * h + (c % h);
-      const float x0 = ix[j], x1 = ix[j + h];
-      ix[j] = x0 + x1;
-      ix[j + h] = x0 - x1;
-    }
-    __syncthreads();
+// The sum of squares of xs[0..d) in the documented order (32 strided
+// partial sums, then the halving fold), num::SumSquares' value;
+// every lane gets it.
+__device__ __forceinline__ float WarpSumSquares(const float* xs, int d) {
+  const int lane = threadIdx.x & 31;
+  float part = 0.f;
+  for (int k = lane; k < d; k += 32) part = part + xs[k] * xs[k];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) part = part + __shfl_down_sync(cuda::kFull, part, off);
+  return __shfl_sync(cuda::kFull, part, 0);
+}
+
+// ---- the epilogue, main entry and indexer key together ------------------------------
+// The RoPE step of a channel held one a lane (channel c on lane c mod 32):
+// channels c and c ^ 1 form a pair in one warp, so the partner's value comes
+// by a shuffle. `rope` must be the same for the whole warp (the RoPE
+// channels are whole warps: from 448 of 512 and 64 of 128).
+__device__ __forceinline__ float LaneRope(float v, int c, bool rope, int r0, int64_t pos,
+                                          const float* inv_freq) {
+  if (!rope) return v;
+  const float other = __shfl_xor_sync(cuda::kFull, v, 1);
+  const bool odd = c & 1;
+  float y0, y1;
+  num::RopePair(odd ? other : v, odd ? v : other,
+                static_cast<float>(pos) * __ldg(inv_freq + ((c - r0) >> 1)), &y0, &y1);
+  return num::RoundBf16(odd ? y1 : y0);
+}
+
+// The warp that stores the main entry while warps 0-3 make the indexer key.
+constexpr int kStoreWarp = kIndexDim / 32;
+// Named barrier of the indexer key's four warps (0 is __syncthreads').
+constexpr int kIndexBarrier = 1;
+
+// The epilogue of docs/design.md §3 (and, CSA, the indexer key's with its
+// Hadamard step) and the stores, for entry e at position pos: thread c holds
+// the pooled value v of channel c and, c < 128, iv of the indexer key's
+// channel c. The two rows share the barriers: rounding, then both sums of
+// squares (warps 0 and 1), then norm and RoPE (pairs by shuffles). The
+// Hadamard butterflies of strides 1-16 are shuffles, those of 32 and 64 one
+// exchange among warps 0-3; warp kStoreWarp encodes the entry meanwhile.
+// The same arithmetic in the same order as the host's (ffi/flush.h).
+// Every thread of the block calls it; it ends with a barrier, so sh is free.
+template <bool kCsa>
+__device__ void BlockCloseEntry(const FlushArgs& a, int64_t e, float v, float iv, int64_t pos,
+                                FlushShared& sh) {
+  const int c = threadIdx.x, warp = c >> 5;
+  const bool ich = kCsa && c < kIndexDim;
+  v = num::RoundBf16(v);
+  sh.x[c] = v;
+  if (ich) {
+    iv = num::RoundBf16(iv);
+    sh.ix[c] = iv;
   }
-  if (c < kIndexDim) StoreMxfp4Block(a, e, c >> 5, ix[c]);
+  __syncthreads();
+  if (warp == 0) {
+    const float ss = WarpSumSquares(sh.x, kHeadDim);
+    if (c == 0) sh.ss[0] = ss;
+  } else if (kCsa && warp == 1) {
+    const float ss = WarpSumSquares(sh.ix, kIndexDim);
+    if (c == 32) sh.ss[1] = ss;
+  }
+  __syncthreads();
+  v = num::RoundBf16((v * num::RmsInvFromSumSquares(sh.ss[0], kHeadDim)) * __ldg(a.main.norm + c));
+  v = LaneRope(v, c, c >= kHeadDim - kRopeDim, kHeadDim - kRopeDim, pos, a.main.inv_freq);
+  sh.x[c] = v;
+  if (ich) {
+    iv = num::RoundBf16((iv * num::RmsInvFromSumSquares(sh.ss[1], kIndexDim)) *
+                        __ldg(a.index.norm + c));
+    iv = LaneRope(iv, c, c >= kIndexDim - kRopeDim, kIndexDim - kRopeDim, pos, a.index.inv_freq);
+  }
+  __syncthreads();
+  if (warp == kStoreWarp) {
+    const int lane = c & 31;
+    float lo[8], hi[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      lo[i] = sh.x[8 * lane + i];
+      hi[i] = sh.x[256 + 8 * lane + i];
+    }
+    cuda::WarpEncodeEntry(a.pool, e, lo, hi);
+  }
+  if (ich) {
+    // Hadamard: stages 1..16 within the warp (the lower channel of a pair
+    // keeps x0 + x1, the upper x0 - x1), then 32 and 64 across the warps
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+      const float other = __shfl_xor_sync(cuda::kFull, iv, h);
+      iv = (c & h) ? other - iv : iv + other;
+    }
+    sh.ix[c] = iv;  // sh.ix was last read before the second barrier
+    asm volatile("bar.sync %0, %1;" ::"n"(kIndexBarrier), "n"(kIndexDim) : "memory");
+    const int lane = c & 31;
+    const float a0 = sh.ix[lane], a1 = sh.ix[lane + 32], a2 = sh.ix[lane + 64],
+                a3 = sh.ix[lane + 96];
+    const float b0 = a0 + a1, b1 = a0 - a1, b2 = a2 + a3, b3 = a2 - a3;   // stride 32
+    const float h = warp == 0 ? b0 + b2 : warp == 1 ? b1 + b3 : warp == 2 ? b0 - b2 : b1 - b3;
+    StoreMxfp4Block(a, e, warp, h);
+  }
   __syncthreads();
 }
 
@@ -148,10 +188,70 @@ struct Acc3 {
   }
 };
 
-// Walks the rows of request slot s from its first row t0 on, in row order,
-// under the rule of ffi/flush.h (expected positions p0 + k).
-template <bool kCsa>
-__device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0, FlushShared& sh) {
+// How WalkRequest finds a request's rows. Both give the next row of slot s
+// at or after `from` (T if none), block-uniform, and whether the walk's
+// first row t0 is the request's first row.
+//
+// SearchRows: any T. The caller has found t0 to be the first row. A
+// request's rows usually follow each other; otherwise the block searches
+// blockDim.x rows a step, so the search past the request's last row costs
+// (T - t) / blockDim.x steps rather than T - t loads per thread.
+struct SearchRows {
+  const FlushArgs& a;
+  int64_t s;
+  FlushShared& sh;
+  __device__ bool First(int64_t) const { return true; }
+  __device__ int64_t Next(int64_t from) const {
+    if (from >= a.T || __ldg(a.slot + from) == s) return from;
+    const int c = threadIdx.x;
+    for (int64_t base = from + 1; base < a.T; base += blockDim.x) {
+      if (c == 0) sh.next_row = static_cast<int>(blockDim.x);
+      const int64_t i = base + c;
+      const bool hit = i < a.T && __ldg(a.slot + i) == s;
+      if (!__syncthreads_or(hit)) continue;
+      if (hit) atomicMin(&sh.next_row, c);
+      __syncthreads();
+      const int64_t found = base + sh.next_row;
+      __syncthreads();  // read before a later search resets it
+      return found;
+    }
+    return a.T;
+  }
+};
+
+// MaskRows: T <= kThreads; `my_slot` is row threadIdx.x's slot (-1 past T).
+// First() publishes the request's rows as a bitmask (one barrier), Next()
+// reads it.
+struct MaskRows {
+  const FlushArgs& a;
+  int64_t s;
+  FlushShared& sh;
+  int32_t my_slot;
+  __device__ bool First(int64_t t0) const {
+    const uint32_t mine = __ballot_sync(cuda::kFull, my_slot == s);
+    if ((threadIdx.x & 31) == 0) sh.rows[threadIdx.x >> 5] = mine;
+    __syncthreads();
+    const int w0 = static_cast<int>(t0 >> 5);
+    bool earlier = (sh.rows[w0] & ((1u << (t0 & 31)) - 1u)) != 0u;
+    for (int w = 0; w < w0; ++w) earlier = earlier || sh.rows[w] != 0u;
+    return !earlier;
+  }
+  __device__ int64_t Next(int64_t from) const {
+    for (int64_t w = from >> 5; w < (a.T + 31) >> 5; ++w) {
+      const uint32_t bits = sh.rows[w] & (w == (from >> 5) ? ~0u << (from & 31) : ~0u);
+      if (bits != 0u) return (w << 5) + __ffs(bits) - 1;
+    }
+    return a.T;
+  }
+};
+
+// Walks the rows of request slot s from row t0 (position p0) on, in row
+// order, under the rule of ffi/flush.h (expected positions p0 + k): the
+// request's accumulators and t0's operands are loaded first, then `rows`
+// decides whether t0 is the request's first row (else nothing happens).
+template <bool kCsa, typename Rows>
+__device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0, int64_t p0,
+                            FlushShared& sh, const Rows& rows) {
   const int c = threadIdx.x;
   const CompressorView& mv = a.main;
   const int64_t coff = kCsa ? 2 : 1;
@@ -176,26 +276,6 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
   // inputs loaded (addresses always in bounds) before the current row is
   // folded, so the chain slot -> block table -> projections is not paid in
   // full per row. The order of the folds is unchanged.
-  //
-  // The next row of s from row `from` on (T if none); block-uniform. A
-  // request's rows usually follow each other; otherwise the block searches
-  // blockDim.x rows a step, so the search past the request's last row costs
-  // (T - t) / blockDim.x steps rather than T - t loads per thread.
-  auto next_row = [&](int64_t from) -> int64_t {
-    if (from >= a.T || __ldg(a.slot + from) == s) return from;
-    for (int64_t base = from + 1; base < a.T; base += blockDim.x) {
-      if (c == 0) sh.next_row = static_cast<int>(blockDim.x);
-      const int64_t i = base + c;
-      const bool hit = i < a.T && __ldg(a.slot + i) == s;
-      if (!__syncthreads_or(hit)) continue;
-      if (hit) atomicMin(&sh.next_row, c);
-      __syncthreads();
-      const int64_t found = base + sh.next_row;
-      __syncthreads();  // read before a later search resets it
-      return found;
-    }
-    return a.T;
-  };
   const int64_t limit = GatingLimit(a.max_context, a.MB);
   auto load = [&](int64_t t, int64_t ep) {
     TokenIn in;
@@ -235,10 +315,11 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     return in;
   };
   bool touched = false;
-  int64_t t = t0;  // t0 is the first row of s
-  TokenIn in = load(t, static_cast<int64_t>(__ldg(a.pos + t0)));
+  int64_t t = t0;
+  TokenIn in = load(t, p0);
+  if (!rows.First(t0)) return;  // block-uniform; the loads above are wasted
   while (t < a.T) {
-    const int64_t tn = next_row(t + 1);
+    const int64_t tn = rows.Next(t + 1);
     TokenIn nin;
     if (tn < a.T) nin = load(tn, in.ep + 1);
     const TokenIn cin = in;
@@ -292,14 +373,7 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     }
     if (cin.block < 0) continue;  // no block to store the entry in (block-uniform)
     const int64_t e = (l * a.N + cin.block) * a.per_block + w % a.per_block;
-    BlockEpilogue(pooled, kHeadDim, mv.norm, mv.inv_freq, w * m, sh.x, &sh.ss[0]);
-    StoreEntry(a.pool, e, sh.x);
-    if (kCsa) {
-      BlockEpilogue(ipooled, kIndexDim, a.index.norm, a.index.inv_freq, w * m, sh.ix, &sh.ss[1]);
-      StoreIndexKey(a, e, sh.ix);  // ends with a barrier
-    } else {
-      __syncthreads();  // StoreEntry read sh.x
-    }
+    BlockCloseEntry<kCsa>(a, e, pooled, ipooled, w * m, sh);
   }
   if (!touched) return;
   cur_row.Store(c, cur);
@@ -312,16 +386,32 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
 
 // The flush of one block: requests are found by their first rows, dealt to
 // the role's `blocks` blocks grid-stride (`block` is this one's index).
+// A call of at most kThreads rows (decode) finds a request's rows by
+// MaskRows, and every load that needs only row indices (the layer, the
+// call's slots, t0's slot and position) is issued before the layer check.
 template <bool kCsa>
 __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, FlushShared& sh) {
   cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
+  cuda::LetNextStart();     // a kernel launched overlapped after this one waits
+  const bool masked = a.T <= kThreads;
+  const int32_t my_slot =
+      masked && threadIdx.x < a.T ? __ldg(a.slot + threadIdx.x) : int32_t{-1};
+  const int64_t first = block;
+  const int64_t s_first = first < a.T ? __ldg(a.slot + first) : -1;
+  const int64_t p_first = first < a.T ? __ldg(a.pos + first) : 0;
   int64_t l;
   if (!cuda::LayerOkCountedBy(block == 0, a.layer, a.L, a.errors, &l)) return;
-  for (int64_t t0 = block; t0 < a.T; t0 += blocks) {
-    const int64_t s = __ldg(a.slot + t0);
+  for (int64_t t0 = first; t0 < a.T; t0 += blocks) {
+    if (masked && t0 != first) __syncthreads();  // the last walk's reads of sh.rows are done
+    const int64_t s = t0 == first ? s_first : __ldg(a.slot + t0);
     if (s == -1) continue;
     if (s < 0 || s >= a.R) {
       if (threadIdx.x == 0) atomicAdd(&a.errors[kBadSlot], 1);
+      continue;
+    }
+    if (masked) {
+      const int64_t p0 = t0 == first ? p_first : __ldg(a.pos + t0);
+      WalkRequest<kCsa>(a, l, s, t0, p0, sh, MaskRows{a, s, sh, my_slot});
       continue;
     }
     // Is t0 the first row of request s? (block-uniform)
@@ -329,7 +419,7 @@ __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, 
     int seen = 0;
     for (int64_t i = threadIdx.x; i < t0; i += blockDim.x) seen |= __ldg(a.slot + i) == s;
     if (__syncthreads_or(seen)) continue;
-    WalkRequest<kCsa>(a, l, s, t0, sh);
+    WalkRequest<kCsa>(a, l, s, t0, __ldg(a.pos + t0), sh, SearchRows{a, s, sh});
   }
 }
 

@@ -1,7 +1,8 @@
 // flush's window plan, one entry a block (HCA): one thread per channel of
 // the 512-wide entry folds the entry's rows, eight at a time (their operands
 // loaded together, one block-wide vote per batch on which rows hold a NaN or
-// Inf), then the block runs the entry's epilogue (flush_block.cuh). An HCA
+// Inf), then the block runs the entry's epilogue (flush_block.cuh's
+// BlockCloseEntry). An HCA
 // entry folds 128 rows, so a thread per channel keeps the chain of folds
 // short; the block barriers of the epilogue are paid once per 128 rows.
 #pragma once
@@ -11,7 +12,7 @@
 #include "dsv4/flush_windows.h"
 #include "flush.h"
 #include "flush_block.cuh"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace flush_kernel {
@@ -126,16 +127,8 @@ __device__ void RunEntry(const FlushArgs& a, int64_t l, int64_t s, int64_t t_ref
   const int64_t block = __ldg(a.block_table + s * a.MB + j.e * m / kBlockTokens);
   if (block < 0 || block >= a.N) return;  // not stored; its rows were counted
   const int64_t e = (l * a.N + block) * a.per_block + j.e % a.per_block;
-  BlockEpilogue(num::FinalizeAcc(acc), kHeadDim, a.main.norm, a.main.inv_freq, j.e * m, sh.x,
-                &sh.ss[0]);
-  StoreEntry(a.pool, e, sh.x);
-  if (kCsa) {
-    const float ipooled = ich ? num::FinalizeAcc(iacc) : 0.f;
-    BlockEpilogue(ipooled, kIndexDim, a.index.norm, a.index.inv_freq, j.e * m, sh.ix, &sh.ss[1]);
-    StoreIndexKey(a, e, sh.ix);  // ends with a barrier
-  } else {
-    __syncthreads();  // StoreEntry read sh.x
-  }
+  BlockCloseEntry<kCsa>(a, e, num::FinalizeAcc(acc), ich ? num::FinalizeAcc(iacc) : 0.f, j.e * m,
+                        sh);
 }
 
 }  // namespace flush_kernel

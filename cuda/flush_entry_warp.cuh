@@ -1,8 +1,8 @@
 // flush's window plan, one entry a warp (CSA): a warp folds the entry's 8
 // rows and runs its epilogue on its own, so a block has up to 16 entries in
 // flight and no block barrier on an entry's path. The arithmetic is the block
-// code's (flush_block.cuh: BlockEpilogue, StoreEntry, StoreIndexKey), bit for
-// bit: the same partial sums in the same order, the same butterflies.
+// code's (flush_block.cuh: BlockCloseEntry), bit for bit: the same partial
+// sums in the same order, the same butterflies.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,7 +10,8 @@
 #include "dsv4/flush_windows.h"
 #include "flush.h"
 #include "flush_block.cuh"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "entry_warp.cuh"
 
 namespace dsv4 {
 namespace flush_kernel {
@@ -108,19 +109,7 @@ __device__ __forceinline__ void LoadWarpRow(const FlushArgs& a, int64_t t, int64
   r.finite = __all_sync(cuda::kFull, ok);
 }
 
-// The sum of squares of xs[0..d) in the documented order (32 strided
-// partial sums, then the halving fold), the value BlockEpilogue's warp 0
-// computes; every lane gets it.
-__device__ __forceinline__ float WarpSumSquares(const float* xs, int d) {
-  const int lane = threadIdx.x & 31;
-  float part = 0.f;
-  for (int k = lane; k < d; k += 32) part = part + xs[k] * xs[k];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) part = part + __shfl_down_sync(cuda::kFull, part, off);
-  return __shfl_sync(cuda::kFull, part, 0);
-}
-
-// BlockEpilogue's arithmetic on values a lane holds: `v[n]` of channels
+// BlockCloseEntry's epilogue on values a lane holds: `v[n]` of channels
 // ch(i) on entry, the bf16-valued row on return. RoPE pairs (2k, 2k+1) sit in
 // one lane, so only the norm's sum needs the row in `xs`.
 template <int n, typename Channel>
@@ -149,7 +138,7 @@ __device__ __forceinline__ void WarpEpilogue(float* v, int d, Channel ch, const 
   __syncwarp();  // xs is free again
 }
 
-// StoreIndexKey's Hadamard, bf16 rounding and MXFP4 of the indexer key held
+// BlockCloseEntry's Hadamard, bf16 rounding and MXFP4 of the indexer key held
 // as v[4] (channels 4L .. 4L+3), in the warp's `ix`.
 __device__ __forceinline__ void WarpStoreIndexKey(const FlushArgs& a, int64_t e, const float* v,
                                                   float* ix) {

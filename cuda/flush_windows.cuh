@@ -37,7 +37,9 @@
 #include "flush_block.cuh"
 #include "flush_entry_block.cuh"
 #include "flush_entry_warp.cuh"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace flush_kernel {
@@ -260,7 +262,8 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
     for (int i = 0; i < items; ++i) {
       if (ps.item_role[i] != kIrregular) continue;
       const int64_t tt = ps.item_row[i], s = __ldg(a.slot + tt);
-      if (FirstRowOfSlot(a, s, tt)) WalkRequest<kCsa>(a, l, s, tt, sh);
+      if (FirstRowOfSlot(a, s, tt))
+        WalkRequest<kCsa>(a, l, s, tt, __ldg(a.pos + tt), sh, SearchRows{a, s, sh});
     }
     __syncthreads();  // the list is rewritten next round
   }

@@ -6,7 +6,8 @@
 
 #include "gather.h"
 #include "handlers_cuda.h"
-#include "kernels.cuh"
+#include "gather_rows.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace {

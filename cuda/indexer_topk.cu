@@ -16,7 +16,10 @@
 //     thread an entry, or ScoreKernelSplit, four lanes an entry, on small
 //     grids (score_fp32.cuh); for "mxfp4" ScoreKernelMxfp4 (score_mxfp4.cuh):
 //     each CTA rounds q to MXFP4 itself, int8 dot products on the tensor
-//     cores, keys streamed through a cp.async ring.
+//     cores, keys streamed through a cp.async ring. The mxfp4 kernel is
+//     launched overlapped too, so its CTAs are in place when the kernel
+//     ahead of it (the layer's write, say) ends; it reads nothing before
+//     its wait.
 //  2. SelectKernel (select.cuh), one block of 1024 threads a token, or a
 //     cluster of up to 8 past 16384 entries, launched so that it may start
 //     while the score kernel finishes (cuda::LaunchOverlapped; the mxfp4
@@ -33,7 +36,7 @@
 #include "indexer_topk/score_fp32.cuh"
 #include "indexer_topk/score_mxfp4.cuh"
 #include "indexer_topk/select.cuh"
-#include "kernels.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace {
@@ -83,10 +86,11 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
                                     cudaGetErrorString(opt_in));
       const dim3 grid(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas));
       const bool evict_first = KeysEvictFirst(a.T, a.E, cuda::L2Bytes());
-      if (pairs)
-        ScoreKernelMxfp4<true><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw, evict_first);
-      else
-        ScoreKernelMxfp4<false><<<grid, kMmaThreads, kRingBytes, stream>>>(a, tpw, evict_first);
+      const auto kernel = pairs ? ScoreKernelMxfp4<true> : ScoreKernelMxfp4<false>;
+      const cudaError_t e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), kRingBytes,
+                                                   1u, stream, a, tpw, evict_first);
+      if (e != cudaSuccess)
+        return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(e));
     } else if (SplitScores(a.T, a.E)) {
       const int64_t groups = (a.E + kGroupEntries - 1) / kGroupEntries;
       if (groups > 65535)

@@ -9,14 +9,16 @@
 // the result and the counts are those of the append kernel followed by the
 // flush kernel. A prefill-sized call (flush_kernel::UseWindowPlan) runs the
 // append role alone in that launch, then flush's window-plan kernel
-// (cuda/flush_windows.cuh) in a second one.
+// (cuda/flush_windows.cuh) in a second one. A decode-sized call's append
+// role is a scan grid (a warp a token) spread over the multiprocessors the
+// flush role leaves, so both roles run side by side in one wave.
 #include <cuda_runtime.h>
 
 #include "append_block.cuh"
 #include "flush_block.cuh"
 #include "flush_windows.cuh"
 #include "handlers_cuda.h"
-#include "kernels.cuh"
+#include "launch.cuh"
 #include "write_layer.h"
 
 namespace dsv4 {
@@ -24,6 +26,8 @@ namespace {
 
 constexpr int kThreads = append_kernel::kThreads;
 static_assert(kThreads == flush_kernel::kThreads, "both roles run 512-thread blocks");
+constexpr int kScanTokensPerWarp = 4;
+constexpr int kScanTokensPerBlock = kScanTokensPerWarp * append_kernel::kWarps;
 
 template <bool kCsa>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -40,15 +44,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <bool kCsa>
 ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, const char* what) {
-  // one block a multiprocessor: the flush role's registers allow no more
-  const append_kernel::AppendPlan plan =
-      append_kernel::FitAppendPlan<WriteLayerKernel<kCsa>, 1>(w.append.T, w.append.R);
-  const unsigned k = plan.cluster;
   const bool prefill = flush_kernel::UseWindowPlan(w.flush.T, w.flush.R);
+  const int64_t flush_want = prefill ? 0 : flush_kernel::FlushGrid(w.flush.T);
+  // a scan role takes the multiprocessors the flush role leaves, so that
+  // both run in one wave (one block a multiprocessor: the flush role's
+  // registers allow no more), unless its warps would then take more than
+  // kScanTokensPerWarp tokens each
+  const int64_t spare = cuda::SmCount() - flush_want;
+  const int64_t least = (w.append.T + kScanTokensPerBlock - 1) / kScanTokensPerBlock;
+  const append_kernel::AppendPlan plan =
+      append_kernel::FitAppendPlan<WriteLayerKernel<kCsa>, 1>(w.append.T, w.append.R,
+                                                              spare > least ? spare : least);
+  const unsigned k = plan.cluster;
   // flush blocks rounded up to whole clusters (the extra ones share the rows);
   // none in a prefill call, whose flush is the second launch
-  const unsigned flush_blocks =
-      prefill ? 0u : (flush_kernel::FlushGrid(w.flush.T) + k - 1) / k * k;
+  const unsigned flush_blocks = static_cast<unsigned>((flush_want + k - 1) / k * k);
   const cudaError_t err =
       cuda::LaunchOverlapped(WriteLayerKernel<kCsa>, dim3(plan.blocks + flush_blocks),
                              dim3(kThreads), plan.smem, k, stream, w.append, plan, w.flush);

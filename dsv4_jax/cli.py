@@ -97,7 +97,7 @@ def _demo_limits(args, preset) -> None:
         raise CliError(f"--steps {args.steps:,}: the demo runs at most {DEMO_MAX_STEPS:,} steps")
     # prefill steps: ceil(longest prompt / chunk), the longest prompt being
     # at most context - steps tokens
-    by_steps = steps_room * args.chunk + args.steps
+    by_steps = steps_room * args.chunk + args.steps * (1 + args.speculative)
     budget = _memory_budget()
 
     def state_bytes(context):
@@ -154,11 +154,16 @@ def cmd_demo(args, parser) -> int:
     if args.context > C.MAX_CONTEXT:
         parser.error(f"--context: positions are int32, expected at most {C.MAX_CONTEXT:,} "
                      f"tokens, got {args.context:,}")
-    if args.steps >= args.context:
+    from .speculative import MAX_DRAFTS
+    if args.speculative > MAX_DRAFTS:
+        parser.error(f"--speculative: expected at most {MAX_DRAFTS} drafts, got {args.speculative}")
+    verified = 1 + args.speculative          # positions a decode step takes at most
+    if args.steps * verified >= args.context:
         if "steps" not in filled:
+            per_step = f" / {verified} positions a step" if args.speculative else ""
             parser.error(f"--steps: expected fewer decode steps than --context "
-                         f"({args.context}), got {args.steps}")
-        args.steps = args.context // 2      # the default leaves room for the prompts
+                         f"({args.context}){per_step}, got {args.steps}")
+        args.steps = args.context // (2 * verified)   # the default leaves room for the prompts
     import jax
     from . import demo
     from .ops._dispatch import auto_means, resolve_impl
@@ -183,13 +188,13 @@ def cmd_demo(args, parser) -> int:
     # into a slot it never held, so the check covers the whole move
     cfg = PRESETS[args.model](max_requests=args.requests + args.preempt,
                                max_context=args.context, kv_format=args.kv_format)
-    prompts = demo.prompt_lengths(cfg, args.requests, args.steps, args.seed)
+    prompts = demo.prompt_lengths(cfg, args.requests, args.steps, args.seed, args.speculative)
     if args.preempt > args.requests:
         parser.error(f"--preempt: expected at most --requests ({args.requests}), got {args.preempt}")
     if args.preempt and args.steps < 2:
         parser.error("--preempt: needs at least 2 decode steps (--steps) to preempt mid-decode")
     settings = demo.DemoSettings(prompts, args.chunk, args.steps, args.seed, args.corrupt_at_step,
-                                 args.preempt)
+                                 args.preempt, args.speculative)
     plan = demo.schedule(settings)
     if args.corrupt_at_step is not None and args.corrupt_at_step >= len(plan):
         parser.error(f"--corrupt-at-step: expected a step < {len(plan)}, got {args.corrupt_at_step}")
@@ -199,6 +204,11 @@ def cmd_demo(args, parser) -> int:
     ui.line(f"{args.requests} requests, prompts {list(prompts)} tokens, prefill chunks of "
             f"{args.chunk}, then {args.steps} decode steps (context {cfg.max_context})")
 
+    if args.speculative:
+        ui.line(f"each decode step verifies {args.speculative} random draft"
+                f"{'s' if args.speculative > 1 else ''} a request (verify_begin, verify_layer, "
+                f"verify_commit) and keeps a random 0 .. {1 + args.speculative} of its "
+                f"{1 + args.speculative} tokens")
     parked = settings.parked_steps()
     if parked:
         ui.line(f"the first {args.preempt} request{'s' if args.preempt > 1 else ''} preempted to "
@@ -209,7 +219,7 @@ def cmd_demo(args, parser) -> int:
         ours = demo.run(cfg, settings, impl=args.impl, progress=advance)
     with ui.progress("reference replay", len(plan)) as advance:
         ref = demo.run(cfg, settings, impl="reference", metas=ours.metas, progress=advance,
-                       moves=ours.moves)
+                       moves=ours.moves, accepted=ours.accepted)
 
     rows = []
     for name, ph in ours.phases.items():
@@ -386,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preempt", type=nonnegative_int, default=0, metavar="N",
                    help="preempt the first N requests to host memory mid-decode and resume "
                         "them into other slots and blocks (the check still covers every byte)")
+    p.add_argument("--speculative", type=nonnegative_int, default=0, metavar="K",
+                   help="speculative decode: every decode step verifies K random drafts a "
+                        "request and keeps a random prefix (the check still covers every byte)")
     # Test hook: damage one stored byte after this step; the check must then FAIL.
     p.add_argument("--corrupt-at-step", type=nonnegative_int, default=None,
                    help=argparse.SUPPRESS)

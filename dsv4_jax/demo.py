@@ -29,6 +29,8 @@ from .ops.append import append
 from .ops.apply_step import apply_step
 from .ops.flush import flush
 from .ops.gather import gather_all, gather_topk, gather_window
+from .ops.write_layer import write_layer
+from .speculative import verify_begin, verify_commit, verify_layer
 from .state import CacheState, init_state
 from .workload import MAX_FLIP_FRACTION, Flips, compare_states, layer_params
 
@@ -41,6 +43,7 @@ class DemoSettings:
     seed: int = 0
     corrupt_at_step: int | None = None   # test hook: damage the cache after this step
     preempt: int = 0             # requests moved to host memory mid-decode and back
+    speculative: int = 0         # drafts each decode step verifies a request (0: plain decode)
 
     def parked_steps(self) -> range:
         """Decode steps the preempted requests sit out: from a quarter of the
@@ -51,9 +54,11 @@ class DemoSettings:
         return range(start, max(start + 1, self.decode_steps // 2))
 
 
-def prompt_lengths(cfg: CacheConfig, requests: int, decode_steps: int, seed: int) -> tuple:
-    """Distinct-ish prompt lengths spread over the room the context leaves."""
-    room = cfg.max_context - decode_steps
+def prompt_lengths(cfg: CacheConfig, requests: int, decode_steps: int, seed: int,
+                   speculative: int = 0) -> tuple:
+    """Distinct-ish prompt lengths spread over the room the context leaves
+    (a speculative decode step takes up to 1 + `speculative` positions)."""
+    room = cfg.max_context - decode_steps * (1 + speculative)
     rng = np.random.default_rng(seed)
     lo = max(1, room // 8)
     return tuple(int(n) for n in np.sort(rng.integers(lo, room + 1, requests))[::-1])
@@ -76,10 +81,19 @@ def schedule(settings: DemoSettings):
         steps.append(("prefill", take))
         left = [n - t for n, t in zip(left, take)]
     parked = settings.parked_steps()
+    verified = 1 + settings.speculative
     for k in range(settings.decode_steps):
-        steps.append(("decode", [0 if k in parked and j < settings.preempt else 1
+        steps.append(("decode", [0 if k in parked and j < settings.preempt else verified
                                  for j in range(len(left))]))
     return steps
+
+
+def acceptance(settings: DemoSettings, step: int, take) -> list:
+    """Tokens each request keeps of a speculative decode step's 1 + K: drawn
+    from the seed and the step, every count 0 .. 1 + K possible (0 for a
+    request without rows)."""
+    rng = np.random.default_rng([settings.seed, step])
+    return [int(rng.integers(0, n + 1)) if n else 0 for n in take]
 
 
 def move_points(settings: DemoSettings) -> dict:
@@ -190,13 +204,19 @@ def layer_ops(state, layer, kind, meta, x, p, topk, slots, impl):
     """One layer's cache calls: append, flush (CSA / HCA), then the gathers
     its attention reads, reduced to one number. `layer` is a Python int or a
     traced int32 (inside the scan); `kind` is static either way."""
-    cfg = state.config
     state = append(state, layer, meta, x["kv"], impl=impl)
     if kind == C.CSA:
         state = flush(state, layer, meta, x["ckv"], x["score"], p,
                       index_kv=x["ikv"], index_score=x["iscore"], impl=impl)
     elif kind == C.HCA:
         state = flush(state, layer, meta, x["ckv"], x["score"], p, impl=impl)
+    return _reads(state, layer, kind, meta, topk, slots, impl)
+
+
+def _reads(state, layer, kind, meta, topk, slots, impl):
+    """The gathers a layer's attention reads for the step's rows, reduced to
+    one number."""
+    cfg = state.config
     kv, _, state = gather_window(state, layer, slots, impl=impl)
     total = jnp.sum(kv.astype(jnp.float32))
     if kind == C.CSA:
@@ -210,21 +230,14 @@ def layer_ops(state, layer, kind, meta, x, p, topk, slots, impl):
     return state, total
 
 
-def model_step(state: CacheState, meta: StepMeta, inputs, params, impl: str,
-               scan: bool = True):
-    """The cache work of one model step; returns the state and a checksum of
-    the gathered rows per layer (f32[L]). `inputs` = (per-layer projections,
-    top-k indices) from `make_inputs`. `scan=False` unrolls every layer."""
-    cfg = state.config
-    inputs, topk = inputs
-    kinds = cfg.layer_kinds
-    slots = jnp.arange(cfg.max_requests, dtype=jnp.int32)
-    state = apply_step(state, meta, impl=impl)
+def over_layers(state, kinds, per_layer, inputs, params, scan: bool = True):
+    """`per_layer(state, layer, kind, x, p) -> (state, total)` on every layer,
+    the repeating part in one `lax.scan` (`layer_groups`; `scan=False`
+    unrolls every layer). Returns the state and the totals (f32[L])."""
     start, period, reps = layer_groups(kinds) if scan else (len(kinds), 1, 0)
     sums = []
     for layer in range(start):
-        state, total = layer_ops(state, layer, kinds[layer], meta, inputs[layer],
-                                 params.get(layer), topk, slots, impl)
+        state, total = per_layer(state, layer, kinds[layer], inputs[layer], params.get(layer))
         sums.append(total)
     if reps:
         stack = lambda trees: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trees)
@@ -238,13 +251,66 @@ def model_step(state: CacheState, meta: StepMeta, inputs, params, impl: str,
             totals = []
             for j in range(period):
                 layer = jnp.int32(start + j) + i * period
-                state, total = layer_ops(state, layer, kinds[start + j], meta, xs_i[j],
-                                         ps_i[j], topk, slots, impl)
+                state, total = per_layer(state, layer, kinds[start + j], xs_i[j], ps_i[j])
                 totals.append(total)
             return state, jnp.stack(totals)
         state, ys = jax.lax.scan(body, state, (jnp.arange(reps, dtype=jnp.int32), xs, ps))
         sums.extend(ys.reshape(-1))
     return state, jnp.stack(sums)
+
+
+def model_step(state: CacheState, meta: StepMeta, inputs, params, impl: str,
+               scan: bool = True):
+    """The cache work of one model step; returns the state and a checksum of
+    the gathered rows per layer (f32[L]). `inputs` = (per-layer projections,
+    top-k indices) from `make_inputs`. `scan=False` unrolls every layer."""
+    cfg = state.config
+    inputs, topk = inputs
+    slots = jnp.arange(cfg.max_requests, dtype=jnp.int32)
+    state = apply_step(state, meta, impl=impl)
+
+    def per_layer(state, layer, kind, x, p):
+        return layer_ops(state, layer, kind, meta, x, p, topk, slots, impl)
+    return over_layers(state, cfg.layer_kinds, per_layer, inputs, params, scan)
+
+
+def compressor_operands(kind, x, p):
+    """(comp_kv, comp_score, params) and the indexer keywords of a layer's
+    inputs (`make_inputs`' names), as write_layer and verify_layer take them."""
+    if kind == C.SWA:
+        return (), {}
+    extra = {"index_kv": x["ikv"], "index_score": x["iscore"]} if kind == C.CSA else {}
+    return (x["ckv"], x["score"], p), extra
+
+
+def speculative_model_step(state: CacheState, meta: StepMeta, inputs, accepted, params,
+                           impl: str, drafts: int, scan: bool = True):
+    """The cache work of one speculative decode step (docs/design.md §13):
+    apply_step, verify_begin, per layer verify_layer and the gathers the
+    drafts' attention reads (the ring before the step, top-k entries the
+    drafts themselves may have closed, every HCA entry up to the drafts'
+    lengths), verify_commit with `accepted` (i32[R]), then write_layer of the
+    kept rows on every layer. Returns the state and the reads' checksum."""
+    cfg = state.config
+    inputs, topk = inputs
+    slots = jnp.arange(cfg.max_requests, dtype=jnp.int32)
+    state = apply_step(state, meta, impl=impl)
+    spec = verify_begin(state, meta, drafts=drafts, impl=impl)
+    rows = spec.verified
+
+    def verify(state, layer, kind, x, p):
+        comp, extra = compressor_operands(kind, x, p)
+        state = verify_layer(state, layer, spec, *comp, impl=impl, **extra)
+        return _reads(state, layer, kind, rows, topk, slots, impl)
+    state, sums = over_layers(state, cfg.layer_kinds, verify, inputs, params, scan)
+    state, kept = verify_commit(state, spec, accepted, impl=impl)
+
+    def write(state, layer, kind, x, p):
+        comp, extra = compressor_operands(kind, x, p)
+        state = write_layer(state, layer, kept, x["kv"], *comp, impl=impl, **extra)
+        return state, jnp.float32(0)
+    state, _ = over_layers(state, cfg.layer_kinds, write, inputs, params, scan)
+    return state, sums
 
 
 def corrupt(state: CacheState, block: int) -> CacheState:
@@ -273,23 +339,27 @@ class RunResult:
     manager: CacheManager | None
     checksum: np.ndarray
     moves: dict = dataclasses.field(default_factory=dict)   # step -> recorded preempt / resume
+    accepted: dict = dataclasses.field(default_factory=dict)  # step -> i32[R] kept tokens by slot
 
 
 class _Stepper:
     """The jitted, donated step, compiled ahead of time once per shape so
     the timed loop holds no compilation."""
 
-    def __init__(self, cfg, params, impl, topk, scan=True):
+    def __init__(self, cfg, params, impl, topk, scan=True, drafts=0):
         self.fn = jax.jit(lambda s, m, x: model_step(s, m, x, params, impl, scan),
                           donate_argnums=0)
+        self.spec_fn = jax.jit(lambda s, m, x, a: speculative_model_step(
+            s, m, x, a, params, impl, drafts, scan), donate_argnums=0)
         self.inputs_fn = jax.jit(lambda k, i, m: make_inputs(cfg, topk, k, i, m))
         self.compiled = {}
         self.compile_seconds = 0.0
 
-    def __call__(self, state, meta, key, step, pad_to=None):
-        """One step; with `pad_to`, the step's inputs are made at their own
-        size and then the tokens padded to `pad_to` rows (slot -1), so every
-        step of a replay runs one compiled program."""
+    def __call__(self, state, meta, key, step, pad_to=None, accepted=None):
+        """One step (with `accepted`, i32[R], a speculative one); with
+        `pad_to`, the step's inputs are made at their own size and then the
+        tokens padded to `pad_to` rows (slot -1), so every step of a replay
+        runs one compiled program a kind of step."""
         step = jnp.int32(step)
         make = self._compiled(("inputs", meta.num_tokens, meta.num_new_blocks, meta.num_resets),
                               lambda: self.inputs_fn.lower(key, step, meta).compile())
@@ -299,8 +369,12 @@ class _Stepper:
             inputs = self._compiled(("pad", inputs[1].shape[0], pad_to),
                                     lambda: jax.jit(lambda x: _pad_rows(x, pad_to)).lower(
                                         inputs).compile())(inputs)
-        fn = self._compiled(("step", meta.num_tokens, meta.num_new_blocks, meta.num_resets),
-                            lambda: self.fn.lower(state, meta, inputs).compile())
+        shape = (meta.num_tokens, meta.num_new_blocks, meta.num_resets)
+        if accepted is not None:
+            fn = self._compiled(("spec",) + shape,
+                                lambda: self.spec_fn.lower(state, meta, inputs, accepted).compile())
+            return fn(state, meta, inputs, accepted)
+        fn = self._compiled(("step",) + shape, lambda: self.fn.lower(state, meta, inputs).compile())
         return fn(state, meta, inputs)
 
     def _compiled(self, key, build):
@@ -330,14 +404,16 @@ def pad_meta(meta: StepMeta, rows: int) -> StepMeta:
 
 
 def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None,
-        progress: Callable | None = None, scan: bool = True, moves=None) -> RunResult:
+        progress: Callable | None = None, scan: bool = True, moves=None,
+        accepted=None) -> RunResult:
     """Run the demo's schedule through `impl`. With `metas` (from an earlier
     run) the same steps are replayed without a manager, every step padded to
-    the largest one (one compilation instead of two: the reference path
-    compiles slowly), and `moves` (that run's) repeats its preemptions."""
+    the largest one (one compilation instead of two a kind of step: the
+    reference path compiles slowly), `moves` (that run's) repeats its
+    preemptions and `accepted` its speculative steps' kept counts."""
     params = layer_params(cfg, seed=settings.seed)
     topk = cfg.index_topk
-    step_fn = _Stepper(cfg, params, impl, topk, scan)
+    step_fn = _Stepper(cfg, params, impl, topk, scan, settings.speculative)
     key = jax.random.key(settings.seed)
     state = init_state(cfg)
     jax.block_until_ready(state)
@@ -356,6 +432,7 @@ def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None
     current, t0 = None, 0.0
     points = move_points(settings)
     recorded_moves = {} if moves is None else moves
+    recorded_accepted = {} if accepted is None else accepted
     parked = {}
     for i, (phase, take) in enumerate(plan):
         if phase != current:               # phase boundary: finish the previous timing
@@ -373,18 +450,27 @@ def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None
                 state = _replay_moves(state, recorded_moves[i], parked)
             jax.block_until_ready(state)
             t0 += time.perf_counter() - t_move
+        speculative = phase == "decode" and settings.speculative > 0
+        kept = take
         if metas is None:
             min_tokens = chunk_rows if phase == "prefill" else B
             meta = manager.prepare_step({r: n for r, n in zip(ids, take) if n or phase == "prefill"},
                                         min_tokens=min_tokens, **pads)
+            if speculative:
+                kept = acceptance(settings, i, take)
+                recorded_accepted[i] = manager.commit_speculative(
+                    {r: a for r, a, n in zip(ids, kept, take) if n})
         else:
             meta = metas[i]
+            if speculative:
+                kept = [int(np.sum(recorded_accepted[i]))]
         recorded.append(meta)
         before = step_fn.compile_seconds
-        state, checksum = step_fn(state, meta, key, i, pad_to=replay_rows)
+        acc = jnp.asarray(recorded_accepted[i]) if speculative else None
+        state, checksum = step_fn(state, meta, key, i, pad_to=replay_rows, accepted=acc)
         t0 += step_fn.compile_seconds - before     # compilation is reported on its own
         phases[phase].steps += 1
-        phases[phase].tokens += sum(take)
+        phases[phase].tokens += sum(kept)
         if settings.corrupt_at_step == i and manager is not None:
             jax.block_until_ready(state)
             t_fix = time.perf_counter()
@@ -395,7 +481,7 @@ def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None
     jax.block_until_ready(state)
     phases[current].seconds += time.perf_counter() - t0
     return RunResult(state, recorded, phases, step_fn.compile_seconds, manager,
-                     np.asarray(checksum), recorded_moves)
+                     np.asarray(checksum), recorded_moves, recorded_accepted)
 
 
 def _first_block(manager, ids):

@@ -22,7 +22,7 @@ class ErrorKind(enum.IntEnum):
     BAD_POSITION = 1      # negative position, or beyond the request's block table
     MISSING_BLOCK = 2     # block table entry -1 or >= N where a write/read needs it
     BAD_INDEX = 3         # top-k index < -1, or of an entry not emitted yet
-    BAD_LENGTH = 4        # a length beyond the request's capacity
+    BAD_LENGTH = 4        # a length beyond the request's capacity, or a bad accepted count
     NONFINITE = 5         # NaN or Inf in an input
     BAD_LAYER = 6         # traced layer index out of range or of the wrong kind
     BAD_BLOCK_ASSIGNMENT = 7  # new-block row with logical or physical id out of range
@@ -35,7 +35,8 @@ _DESCRIPTIONS = {
     ErrorKind.BAD_POSITION: "negative position or position beyond the request's block table",
     ErrorKind.MISSING_BLOCK: "block table entry missing (-1) or >= num_blocks where needed",
     ErrorKind.BAD_INDEX: "top-k index < -1 or of an entry not emitted yet",
-    ErrorKind.BAD_LENGTH: "length beyond the request's capacity",
+    ErrorKind.BAD_LENGTH: ("length beyond the request's capacity, or a speculative step's "
+                           "accepted count outside [0, the slot's verified rows]"),
     ErrorKind.NONFINITE: "NaN or Inf in an input",
     ErrorKind.BAD_LAYER: "traced layer index out of range or of the wrong kind",
     ErrorKind.BAD_BLOCK_ASSIGNMENT: "new block with logical or physical id out of range",

@@ -72,6 +72,9 @@ class CacheManager:
         self._pending_resets: list[int] = []
         self._ids = itertools.count()
         self._token_rows: dict[Hashable, slice] = {}
+        # the last step's (start length, tokens, blocks held before it) per
+        # request, until commit_speculative settles it or the next step
+        self._last_step: dict[Hashable, tuple[int, int, int]] = {}
 
     # ---- queries ---------------------------------------------------------------
     @property
@@ -248,6 +251,7 @@ class CacheManager:
         write_blocks), so it never reads this request's entries."""
         req = self._request(request_id)
         del self._requests[request_id]
+        self._last_step.pop(request_id, None)
         self._let_go(req.blocks)
         self._free_slots.append(req.slot)
 
@@ -349,9 +353,11 @@ class CacheManager:
         new_blocks = []
         row = 0
         self._token_rows = {}
+        self._last_step = {}
         for rid, n, logicals in plan.rows:
             req = self._requests[rid]
             start = req.length
+            self._last_step[rid] = (start, n, len(req.blocks))
             token_slot[row:row + n] = req.slot
             token_pos[row:row + n] = np.arange(start, start + n, dtype=np.int32)
             self._token_rows[rid] = slice(row, row + n)
@@ -373,6 +379,57 @@ class CacheManager:
             lengths[req.slot] = req.length
         return StepMeta.build(token_slot=token_slot, token_pos=token_pos, lengths=lengths,
                               new_blocks=nb, reset_slots=resets, device_put=device_put)
+
+
+    # ---- speculative steps (docs/design.md §13) -----------------------------------------
+    def check_speculative(self, accepted: Mapping[Hashable, int]) -> dict:
+        """The checks of `commit_speculative`, changing nothing: {request:
+        (start length, tokens kept, blocks held before the step)}; ValueError
+        otherwise."""
+        if not self._last_step and accepted:
+            raise ValueError(f"accepted: no step to commit{self._where()} (commit_speculative "
+                             f"follows the prepare_step of a speculative step, once)")
+        missing = [r for r, (_, n, _) in self._last_step.items() if n and r not in accepted]
+        if missing:
+            raise ValueError(f"accepted: no count for request {missing[0]!r}{self._where()}, "
+                             f"which had {self._last_step[missing[0]][1]} token(s) in the "
+                             f"last step; every request of the step needs one")
+        out = {}
+        for rid, a in accepted.items():
+            if rid not in self._last_step:
+                raise ValueError(f"accepted: request {rid!r} had no tokens in the last "
+                                 f"step{self._where()}")
+            start, n, held = self._last_step[rid]
+            if not isinstance(a, (int, np.integer)) or isinstance(a, bool) or not 0 <= a <= n:
+                raise ValueError(f"accepted[{rid!r}]: expected an int in [0, {n}] (the "
+                                 f"request's tokens in the last step), got {a!r}")
+            out[rid] = (start, int(a), held)
+        return out
+
+    def commit_speculative(self, accepted: Mapping[Hashable, int]) -> np.ndarray:
+        """After a speculative step (`dsv4_jax.verify_commit`): request r
+        keeps the first `accepted[r]` of its tokens of the last step, its
+        length becomes its length before the step + accepted[r], and the
+        blocks that step handed it that hold no kept token go back to the
+        free list (verify_commit drops them from the block table). Every
+        request of the last step needs a count in [0, its tokens]; ValueError,
+        and nothing changed, otherwise, or when there is no step to commit
+        (one call per step, before any other change to its requests).
+
+        Returns `accepted` as verify_commit takes it: i32[R] by slot, 0 for
+        the slots without a count."""
+        plan = self.check_speculative(accepted)
+        out = np.zeros(self.config.max_requests, np.int32)
+        for rid, (start, a, held) in plan.items():
+            req = self._requests[rid]
+            length = start + a
+            keep = max(-(-length // BLOCK_TOKENS), held)   # only the step's own blocks go
+            self._let_go(req.blocks[keep:])
+            del req.blocks[keep:]
+            req.length = length
+            out[req.slot] = a
+        self._last_step = {}
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

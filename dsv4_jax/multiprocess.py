@@ -219,6 +219,21 @@ class ProcessCacheManager:
         return StepMeta(data, first.num_tokens, first.num_requests, first.num_new_blocks,
                         first.num_resets)
 
+    def commit_speculative(self, accepted: Mapping[Hashable, int]) -> np.ndarray:
+        """`CacheManager.commit_speculative` on this process's shards (all
+        checked before any changes; a request this process did not admit is
+        a KeyError). Returns this process's rows of the counts verify_commit
+        takes (i32[len(shards) * R_local], shard after shard, by local
+        slot): `put_rows` makes the global operand of them. No exchange
+        between processes: each commits its own requests."""
+        per_shard = {k: {} for k in self.shards}
+        for rid, a in accepted.items():
+            per_shard[self.shard_of(rid)][rid] = a
+        for k, a in per_shard.items():
+            self.managers[k].check_speculative(a)
+        return np.concatenate([self.managers[k].commit_speculative(per_shard[k])
+                               for k in self.shards])
+
     def _plan(self, tokens, min_tokens, min_new_blocks, min_resets):
         """Every shard's checked plan, and per size (T, NB, NR) what each
         shard needs, padded as the managers pad."""

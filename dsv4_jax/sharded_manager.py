@@ -177,6 +177,17 @@ class ShardedCacheManager:
         """T of the last step: token rows per shard (the global axis has S * T)."""
         return self._tokens_per_shard
 
+    def commit_speculative(self, accepted: Mapping[Hashable, int]) -> np.ndarray:
+        """`CacheManager.commit_speculative` on every shard (all checked
+        before any changes). Returns the counts as verify_commit takes them:
+        i32[S * R_local], shard after shard, by local slot."""
+        per_shard = [dict() for _ in self.shards]
+        for rid, a in accepted.items():
+            per_shard[self.shard_of(rid)][rid] = a
+        for m, a in zip(self.shards, per_shard):
+            m.check_speculative(a)
+        return np.concatenate([m.commit_speculative(a) for m, a in zip(self.shards, per_shard)])
+
     def prepare_step(self, tokens: Mapping[Hashable, int], *, min_tokens: int = 1,
                      device_put: bool = True) -> StepMeta:
         """Per-shard metadata padded to common sizes and concatenated shard by

@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "dsv4/attention.h"
+#include "dsv4/attention_rules.h"
 #include "dsv4/entry_checks.h"
 #include "dsv4/ffi_checks.h"
 #include "dsv4/layout.h"
@@ -87,15 +87,22 @@ auto BindAttention(Binding binding) {
       .template Ret<ffi::AnyBuffer>();  // scratch
 }
 
-inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuffer layer,
-                                    ffi::AnyBuffer comp_layer, ffi::AnyBuffer q,
-                                    ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
-                                    ffi::AnyBuffer topk, ffi::AnyBuffer chunk_kv,
-                                    ffi::AnyBuffer sink, ffi::AnyBuffer inv_freq,
-                                    ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,
-                                    ffi::AnyBuffer errors_in, const ffi::RemainingArgs& entry_args,
-                                    ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer errors,
-                                    ffi::AnyBuffer scratch, AttentionArgs* result) {
+// The handlers' operands in BindAttention's order (the CUDA handler's stream
+// comes first): one list for both handlers and ValidateAttention, and the
+// names to pass them on with.
+#define DSV4_ATTENTION_OPERANDS                                                              \
+  int64_t kv_format, int64_t kind, ffi::AnyBuffer layer, ffi::AnyBuffer comp_layer,          \
+      ffi::AnyBuffer q, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,                 \
+      ffi::AnyBuffer topk, ffi::AnyBuffer chunk_kv, ffi::AnyBuffer sink,                     \
+      ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,           \
+      ffi::AnyBuffer errors_in, ffi::RemainingArgs entry_args,                               \
+      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,                      \
+      ffi::Result<ffi::AnyBuffer> errors, ffi::Result<ffi::AnyBuffer> scratch
+#define DSV4_ATTENTION_OPERAND_NAMES                                                         \
+  kv_format, kind, layer, comp_layer, q, token_slot, token_pos, topk, chunk_kv, sink,        \
+      inv_freq, block_table, swa_pos, errors_in, entry_args, out, lse, errors, scratch
+
+inline ffi::Error ValidateAttention(DSV4_ATTENTION_OPERANDS, AttentionArgs* result) {
   AttentionArgs a;
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   if (kind != kAttnSwa && kind != kAttnCsa && kind != kAttnHca)
@@ -135,7 +142,7 @@ inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuf
   DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos", swa_pos, ffi::DataType::S32, {-1, a.R, kWindow}));
   a.L = swa_pos.dimensions()[0];
   DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors_in, ffi::DataType::S32, {kNumErrorKinds}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors (result)", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("errors (result)", *errors, ffi::DataType::S32, {kNumErrorKinds}));
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
   const size_t per = EntryLeafCount(kv_format);
@@ -157,11 +164,11 @@ inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuf
     a.Lk = plead[0];
     a.N = plead[1];
   }
-  DSV4_RETURN_IF_ERROR(CheckBuffer("out (result)", out, ffi::DataType::BF16, {a.T, a.H, kHeadDim}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("lse (result)", lse, ffi::DataType::F32, {a.T, a.H}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("scratch (result)", scratch, ffi::DataType::U8, {-1}));
-  a.scratch_bytes = scratch.dimensions()[0];
-  a.scratch = a.scratch_bytes > 0 ? static_cast<uint8_t*>(scratch.untyped_data()) : nullptr;
+  DSV4_RETURN_IF_ERROR(CheckBuffer("out (result)", *out, ffi::DataType::BF16, {a.T, a.H, kHeadDim}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("lse (result)", *lse, ffi::DataType::F32, {a.T, a.H}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("scratch (result)", *scratch, ffi::DataType::U8, {-1}));
+  a.scratch_bytes = scratch->dimensions()[0];
+  a.scratch = a.scratch_bytes > 0 ? static_cast<uint8_t*>(scratch->untyped_data()) : nullptr;
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
   a.comp_layer = static_cast<const int32_t*>(comp_layer.untyped_data());
   a.q = static_cast<const uint16_t*>(q.untyped_data());
@@ -173,9 +180,9 @@ inline ffi::Error ValidateAttention(int64_t kv_format, int64_t kind, ffi::AnyBuf
   a.inv_freq = nfreq ? static_cast<const float*>(inv_freq.untyped_data()) : nullptr;
   a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
   a.swa_pos = static_cast<const int32_t*>(swa_pos.untyped_data());
-  a.out = static_cast<uint16_t*>(out.untyped_data());
-  a.lse = static_cast<float*>(lse.untyped_data());
-  a.errors = static_cast<int32_t*>(errors.untyped_data());
+  a.out = static_cast<uint16_t*>(out->untyped_data());
+  a.lse = static_cast<float*>(lse->untyped_data());
+  a.errors = static_cast<int32_t*>(errors->untyped_data());
   *result = a;
   return ffi::Error::Success();
 }

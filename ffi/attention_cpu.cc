@@ -151,19 +151,9 @@ void AttendHead(const float* q, const float* rows, int64_t n, float sink, int64_
   *lse = m + logf(denom);
 }
 
-ffi::Error AttentionImpl(int64_t kv_format, int64_t kind, ffi::AnyBuffer layer,
-                         ffi::AnyBuffer comp_layer, ffi::AnyBuffer q, ffi::AnyBuffer token_slot,
-                         ffi::AnyBuffer token_pos, ffi::AnyBuffer topk, ffi::AnyBuffer chunk_kv,
-                         ffi::AnyBuffer sink, ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table,
-                         ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors_in,
-                         ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> errors,
-                         ffi::Result<ffi::AnyBuffer> scratch) {
+ffi::Error AttentionImpl(DSV4_ATTENTION_OPERANDS) {
   AttentionArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateAttention(kv_format, kind, layer, comp_layer, q, token_slot,
-                                         token_pos, topk, chunk_kv, sink, inv_freq, block_table,
-                                         swa_pos, errors_in, entry_args, *out, *lse, *errors, *scratch,
-                                         &a));
+  DSV4_RETURN_IF_ERROR(ValidateAttention(DSV4_ATTENTION_OPERAND_NAMES, &a));
   const int64_t heads = a.T * a.H;
   std::memset(a.out, 0, static_cast<size_t>(heads) * kHeadDim * sizeof(uint16_t));
   for (int64_t i = 0; i < heads; ++i) a.lse[i] = kNegInf;

@@ -61,6 +61,24 @@ def test_demo_preempts_and_resumes_mid_decode_and_still_passes(capsys, monkeypat
     assert code == 1 and "check against the reference: FAIL" in out, out
 
 
+def test_demo_speculative_keeps_random_prefixes_and_passes(capsys):
+    """--speculative K: each decode step verifies K drafts a request and keeps
+    a random 0 .. 1 + K of its tokens; the reference replays the same steps
+    and counts, and the cache holds exactly the prompts plus the kept tokens."""
+    code, out = run_cli(capsys, "demo", *SMALL, "--speculative", "3")
+    assert code == 0, out
+    assert "each decode step verifies 3 random drafts a request" in out, out
+    assert "check against the reference: PASS" in out, out
+    prompts = [int(n) for n in re.search(r"prompts \[([\d, ]+)\]", out).group(1).split(", ")]
+    kept = int(re.search(r"^decode\s+4\s+([\d,]+)\s", out, re.M).group(1).replace(",", ""))
+    assert 0 < kept < 4 * 2 * 4, out            # some kept, not every one of 4 steps x 2 x 4
+    lengths = [int(n) for n in re.search(r"tokens cached\s+[\d,]+ \(([\d, ]+)\)", out)
+               .group(1).split(", ")]
+    assert sum(lengths) == sum(prompts) + kept, out
+    csa = sum(n // 4 for n in lengths) * 2
+    assert re.search(rf"CSA entries emitted \(all CSA layers\)\s+{csa:,}$", out, re.M), out
+
+
 def test_demo_fails_on_a_corrupted_cache(capsys):
     code, out = run_cli(capsys, "demo", *SMALL, "--corrupt-at-step", "1")
     assert code == 1, out
@@ -73,6 +91,8 @@ def test_demo_fails_on_a_corrupted_cache(capsys):
     (["--requests", "0"], "--requests"),
     (["--kv-format", "fp4"], "--kv-format"),
     (["--corrupt-at-step", "999"], "--corrupt-at-step"),
+    (["--speculative", "128"], "--speculative"),
+    (["--speculative", "7", "--steps", "40", "--context", "256"], "8 positions a step"),
 ])
 def test_demo_rejects_bad_options(capsys, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -110,3 +110,93 @@ def test_shard_label_in_messages():
     m.admit()
     with pytest.raises(CacheFullError, match="on shard 3"):
         m.admit()
+
+
+# ---- speculative steps (docs/design.md §13) ----------------------------------------------
+def test_commit_speculative_keeps_the_counts_and_gives_back_the_steps_empty_blocks():
+    cfg = CacheConfig.tiny(max_requests=3, max_context=512, num_blocks=8)
+    m = CacheManager(cfg)
+    a, b, c = m.admit(), m.admit(), m.admit()
+    m.prepare_step({a: 126, b: 10, c: 128})
+    m.prepare_step({a: 5, b: 5, c: 4})          # a: 126..130 (a new block), c: 128..131 (one too)
+    assert [len(m.blocks_of(r)) for r in (a, b, c)] == [2, 1, 2]
+    free, new_c = m.free_blocks, m.blocks_of(c)[1]
+    out = m.commit_speculative({a: 3, b: 5, c: 0})
+    assert [m.length_of(r) for r in (a, b, c)] == [129, 15, 128]
+    assert [len(m.blocks_of(r)) for r in (a, b, c)] == [2, 1, 1]   # a keeps 128, c's goes
+    assert m.free_blocks == free + 1 and m.refcount(new_c) == 0
+    assert out.dtype == np.int32 and out.tolist() == [3, 5, 0]
+    with pytest.raises(ValueError, match="no step to commit"):
+        m.commit_speculative({a: 1})           # one commit a step
+    m.prepare_step({a: 2})                      # a request without tokens needs no count
+    m.commit_speculative({a: 2})
+    assert m.length_of(a) == 131
+
+
+@pytest.mark.parametrize("accepted, match", [
+    ({"a": 3}, "no count for request 'b'"),
+    ({"a": 3, "b": 5}, r"accepted\['b'\]: expected an int in \[0, 4\]"),
+    ({"a": -1, "b": 0}, r"accepted\['a'\]: expected an int in \[0, 4\]"),
+    ({"a": 1, "b": 1, "c": 0}, "request 'c' had no tokens in the last step"),
+    ({"a": 1.0, "b": 1}, r"accepted\['a'\]"),
+])
+def test_commit_speculative_refuses_bad_counts_and_changes_nothing(accepted, match):
+    cfg = CacheConfig.tiny(max_requests=3, max_context=512, num_blocks=8)
+    m = CacheManager(cfg)
+    for r in "abc":
+        m.admit(r)
+    m.prepare_step({"a": 126, "b": 1})
+    m.prepare_step({"a": 4, "b": 4})
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=match):
+        m.commit_speculative(accepted)
+    assert snapshot(m) == before
+    m.commit_speculative({"a": 4, "b": 4})      # the step can still be committed
+
+
+def test_a_released_request_needs_no_count():
+    cfg = CacheConfig.tiny(max_requests=2, max_context=512, num_blocks=8)
+    m = CacheManager(cfg)
+    a, b = m.admit(), m.admit()
+    m.prepare_step({a: 127, b: 3})
+    m.release(b)
+    m.commit_speculative({a: 100})
+    assert m.length_of(a) == 100 and m.free_blocks == cfg.num_blocks - 1
+
+
+def test_sharded_manager_commits_every_shard_or_none():
+    from dsv4_jax.sharding import ShardedCacheManager
+    cfg = CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=16).replace(num_shards=2,
+                                                                                shard_axis="d")
+    m = ShardedCacheManager(cfg)
+    a, b = m.admit(shard=0), m.admit(shard=1)
+    m.prepare_step({a: 127, b: 128})
+    m.prepare_step({a: 3, b: 3})
+    with pytest.raises(ValueError, match=r"accepted\[1\]"):
+        m.commit_speculative({a: 2, b: 9})
+    assert m.length_of(a) == 130                 # shard 0 unchanged too
+    out = m.commit_speculative({a: 2, b: 0})
+    assert [m.length_of(a), m.length_of(b)] == [129, 128]
+    assert len(m.blocks_of(b)) == 1 and out.tolist() == [2, 0, 0, 0]
+
+
+def test_process_manager_commits_its_own_shards():
+    import jax
+    from dsv4_jax.multiprocess import ProcessCacheManager
+    from dsv4_jax.sharding import shard_config
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("data",))
+    cfg = shard_config(CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=16), mesh,
+                       "data")
+    m = ProcessCacheManager(cfg, mesh)
+    a, b = m.admit(shard=0), m.admit(shard=1)
+    m.prepare_step({a: 127, b: 10}, sizes=(256, 2, 2))
+    m.prepare_step({a: 3, b: 3}, sizes=(8, 2, 2))
+    with pytest.raises(KeyError):
+        m.commit_speculative({a: 1, b: 1, "elsewhere": 1})
+    assert m.length_of(a) == 130
+    out = m.commit_speculative({a: 1, b: 3})
+    assert [m.length_of(a), m.length_of(b)] == [128, 13] and out.tolist() == [1, 0, 3, 0]
+    assert len(m.managers[0].blocks_of(a)) == 1

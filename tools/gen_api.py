@@ -39,6 +39,7 @@ SECTIONS = [
                          "read_request", "write_request", "RequestSnapshot", "RequestBlocks",
                          "RequestIds", "share_prefix", "admit_on_prefix", "offload", "preempt",
                          "resume", "OffloadedRequest", "export_request", "import_request"]),
+    ("Speculative steps", ["verify_begin", "verify_layer", "verify_commit", "VerifyStep"]),
     ("Compressor parameters", ["CompressorParams", "yarn_inv_freq"]),
     ("Errors", ["check_errors", "reset_errors", "ErrorKind", "CacheInputError", "CacheFullError"]),
     ("Donation", ["check_donated", "NotDonatedWarning"]),

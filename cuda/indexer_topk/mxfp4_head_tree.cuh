@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace indexer {

@@ -6,7 +6,7 @@
 #include "dsv4/indexer.h"
 #include "dsv4/numerics.h"
 #include "indexer_topk/mxfp4_head_tree.cuh"
-#include "kernels.cuh"
+
 
 namespace dsv4 {
 namespace indexer {

@@ -10,7 +10,7 @@
 #include "indexer_topk/mxfp4_mma.cuh"
 #include "indexer_topk/token.cuh"
 #include "indexer_topk.h"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace indexer {

@@ -6,7 +6,7 @@
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/token.cuh"
 #include "indexer_topk.h"
-#include "kernels.cuh"
+
 
 namespace dsv4 {
 namespace indexer {

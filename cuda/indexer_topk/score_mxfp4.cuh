@@ -12,7 +12,8 @@
 #include "indexer_topk/mxfp4_query.cuh"
 #include "indexer_topk/token.cuh"
 #include "indexer_topk.h"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace indexer {
@@ -111,7 +112,13 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   // kPairs: warp 2p + 1's halves of the head tree, a buffer per tile parity
   __shared__ float half_l3[kPairs ? 2 : 1][kPairs ? TileColumns(true) : 1][4][32];
   __shared__ int nonfinite_s;                                  // a NaN or Inf in q or weights
-  cuda::LetNextStart();        // the select may take multiprocessors this grid leaves
+  // Launched overlapped (cuda::LaunchOverlapped): every operand, q included,
+  // may be what the kernel ahead writes, so nothing is read before the wait.
+  // The select may then take the multiprocessors this grid leaves: it reads
+  // its token's q, slot and position before its own wait, which is safe as
+  // every CTA here has waited before it lets the select start.
+  cuda::WaitForPrevious();
+  cuda::LetNextStart();
   const int64_t t = blockIdx.x;
   // the query first, even before the token's slot and position (its address
   // needs neither; a CTA that then has nothing to score wasted 16 KB of

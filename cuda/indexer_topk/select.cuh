@@ -29,7 +29,8 @@
 #include "indexer_topk/select_radix.cuh"
 #include "indexer_topk/token.cuh"
 #include "indexer_topk.h"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
+#include "launch.cuh"
 
 namespace dsv4 {
 namespace indexer {
@@ -374,6 +375,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   // agree without a cluster barrier (16 KB of reads, before the wait)
   const bool finite = !ti.ok || TokenInputsFinite(a, t);   // ti.ok: the same in the block
   cuda::WaitForPrevious();     // the score kernel's rank keys (launched overlapped)
+  cuda::LetNextStart();        // a kernel launched overlapped after this one waits for it
   const int rank = kCluster ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
   const int tid = threadIdx.x;
   if (blockIdx.x == 0 && tid == 0 && (l < 0 || l >= a.L)) atomicAdd(&a.errors[kBadLayer], 1);

@@ -7,7 +7,7 @@
 
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/select_keys.cuh"
-#include "kernels.cuh"
+#include "bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace indexer {

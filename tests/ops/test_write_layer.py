@@ -400,6 +400,19 @@ def _append_cases():
     s = rng.integers(-1, 64, 8192).astype(np.int32)
     p = rng.integers(0, 4096, 8192).astype(np.int32)
     cases.append(("random 8192", 64, s, p, rng.choice(8192, 100, replace=False)))
+    # the manager's shape between the scan and the clustered check: 32 requests x
+    # 128 tokens, slots in any order, a few NaN rows
+    slots = rng.permutation(32).astype(np.int32)
+    s = np.repeat(slots, 128).astype(np.int32)
+    p = (np.tile(np.arange(128), 32) + np.repeat(rng.integers(0, 5000, 32), 128)).astype(np.int32)
+    cases.append(("32 x 128", 32, s, p, rng.choice(32 * 128, 20, replace=False)))
+    # a decode step of 64 one-token requests, one of them given a second row on
+    # its cell (128 later, NaN: the first row keeps the cell) and one a row at
+    # the same position (the later row wins)
+    s = np.r_[np.arange(62), 5, 9].astype(np.int32)
+    p = np.r_[rng.integers(0, 8000, 62), 0, 0].astype(np.int32)
+    p[62], p[63] = p[5] + 128, p[9]
+    cases.append(("decode 64, shared cells", 64, s, p, np.array([62])))
     cases.append(("one row", 4, np.array([1], np.int32), np.array([5], np.int32),
                   np.array([], int)))
     cases.append(("no rows", 4, np.zeros(0, np.int32), np.zeros(0, np.int32), np.array([], int)))
@@ -410,10 +423,11 @@ def _append_cases():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=CUDA)])
 def test_cuda_append_matches_cpu(case, fmt, mark):
-    """The CUDA append kernel's fast path (grouped runs), its general path
-    and their edge cases, byte for byte against the CPU handler (called
-    eagerly on CPU arrays); two layers, so layer 1 of the first call stays
-    as the second call finds it."""
+    """The CUDA append kernel's paths (the per-token scan of a call of at most
+    1024 rows; above, the shape check, with clusters from 16384 rows, then
+    grouped runs or any order) and their edge cases, byte for byte against
+    the CPU handler (called eagerly on CPU arrays); two layers, so layer 1
+    of the first call stays as the second call finds it."""
     _, nreq, slot, pos, nan_rows = case
     cfg = C.CacheConfig.tiny(max_requests=nreq, max_context=8192, num_blocks=8, kv_format=fmt)
     rng = np.random.default_rng(len(slot))

@@ -9,6 +9,7 @@ import pytest
 
 import dsv4_jax as dj
 from dsv4_jax.sharding import ShardedCacheManager, init_sharded_state, shard_config
+from support.sharding import data_mesh
 from support.streams import Driver, assert_same_request, stream
 from support.trees import assert_trees_bytes_equal
 
@@ -85,10 +86,7 @@ def test_prefix_admitted_request_equals_prefill_from_scratch(kv_format, prefix):
 
 
 def test_prefix_sharing_on_a_sharded_state():
-    devices = jax.devices()
-    if len(devices) < 4:
-        pytest.skip("needs 4 devices")
-    mesh = jax.sharding.Mesh(np.array(devices[:4]), ("data",))
+    mesh = data_mesh(4)
     cfg = dj.CacheConfig.tiny(max_requests=8, max_context=512, num_blocks=32)
     got, want, before, after, x = prefix_then_share(cfg, 256, [40, 1, 1], mesh=mesh)
     assert_same_request(got, want)

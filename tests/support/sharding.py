@@ -25,3 +25,13 @@ def unshard(state, cfg):
         out.append(jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(init_state(local)), parts))
     return out
+
+
+def data_mesh(n: int):
+    """A mesh of the first n devices on axis "data"; the test is skipped
+    where there are fewer."""
+    import pytest
+    devices = jax.devices()
+    if len(devices) < n:
+        pytest.skip(f"needs {n} devices")
+    return jax.sharding.Mesh(np.array(devices[:n]), ("data",))

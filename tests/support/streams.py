@@ -43,11 +43,12 @@ class Driver:
     """One cache (state + manager) fed from token streams."""
 
     def __init__(self, cfg, manager, state, streams: dict, *, mesh=None, impl="auto",
-                 min_tokens=256, seed=0):
+                 min_tokens=256, seed=0, pads=None):
         self.cfg, self.manager, self.state = cfg, manager, state
         self.streams = streams               # stream name -> stream
         self.source = {}                     # request id -> stream name
         self.mesh, self.impl, self.min_tokens = mesh, impl, min_tokens
+        self.pads = pads or {}               # more prepare_step minimums (fewer shapes)
         self.params = layer_params(cfg, seed=seed)
         self._step = jax.jit(lambda s, m, x: write_step(s, m, x, self.params, impl),
                              donate_argnums=0)
@@ -65,19 +66,25 @@ class Driver:
         m = self.manager
         before = {r: m.length_of(r) for r in tokens}
         with self.ctx():
-            meta = m.prepare_step(tokens, min_tokens=self.min_tokens)
-            T = meta.token_slot.shape[0]
-            inputs = {}
-            for layer, kind in enumerate(self.cfg.layer_kinds):
-                first = self.streams[next(iter(self.streams))][layer]
-                x = {k: np.zeros((T,) + v.shape[1:], v.dtype) for k, v in first.items()}
-                for r, n in tokens.items():
-                    rows = m.token_rows(r)
-                    src = self.streams[self.source[r]][layer]
-                    for k in x:
-                        x[k][rows] = src[k][before[r]:before[r] + n]
-                inputs[layer] = {k: jnp.asarray(v) for k, v in x.items()}
-            self.state = self._step(self.state, meta, inputs)
+            meta = m.prepare_step(tokens, min_tokens=self.min_tokens, **self.pads)
+            self.state = self._step(self.state, meta, self.inputs(meta, tokens, before))
+
+    def inputs(self, meta, tokens: dict, before: dict) -> dict:
+        """Per layer the projections of the step's rows: request r's rows
+        hold positions before[r] ... before[r] + tokens[r] - 1 of its
+        stream, padding rows zeros."""
+        T = meta.token_slot.shape[0]
+        inputs = {}
+        for layer, kind in enumerate(self.cfg.layer_kinds):
+            first = self.streams[next(iter(self.streams))][layer]
+            x = {k: np.zeros((T,) + v.shape[1:], v.dtype) for k, v in first.items()}
+            for r, n in tokens.items():
+                rows = self.manager.token_rows(r)
+                src = self.streams[self.source[r]][layer]
+                for k in x:
+                    x[k][rows] = src[k][before[r]:before[r] + n]
+            inputs[layer] = {k: jnp.asarray(v) for k, v in x.items()}
+        return inputs
 
     def read(self, rid, seed=0):
         """Everything the cache holds or returns for request `rid`: its

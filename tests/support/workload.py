@@ -16,6 +16,9 @@ from dsv4_jax.ops.append import append
 from dsv4_jax.ops.apply_step import apply_step
 from dsv4_jax.ops.flush import flush
 from dsv4_jax.ops.gather import gather_all, gather_topk, gather_window
+from dsv4_jax.ops.write_layer import write_layer
+from dsv4_jax.demo import compressor_operands
+from dsv4_jax.speculative import verify_begin, verify_commit, verify_layer
 
 
 def step_inputs(cfg, T, rng):
@@ -48,6 +51,31 @@ def write_step(state, meta, inputs, params, impl):
         elif kind == C.HCA:
             state = flush(state, layer, meta, x["ckv"], x["score"], params[layer], impl=impl)
     return state
+
+
+def speculative_step(state, meta, inputs, accepted, params, drafts, impl, read=None):
+    """The cache work of one speculative step (docs/design.md §13):
+    apply_step, the verify pass's writes (verify_begin, verify_layer on every
+    compressed layer), verify_commit with `accepted` (i32[R]), then
+    write_layer of the kept rows on every layer. `read(state, layer, spec,
+    x)`, if given, runs after each layer's verify write and returns (state,
+    outputs): the verify pass's reads. Returns (state, kept StepMeta, {layer:
+    outputs})."""
+    cfg = state.config
+    state = apply_step(state, meta, impl=impl)
+    spec = verify_begin(state, meta, drafts=drafts, impl=impl)
+    outputs = {}
+    for layer, kind in enumerate(cfg.layer_kinds):
+        comp, extra = compressor_operands(kind, inputs[layer], params.get(layer))
+        state = verify_layer(state, layer, spec, *comp, impl=impl, **extra)
+        if read is not None:
+            state, outputs[layer] = read(state, layer, spec, inputs[layer])
+    state, kept = verify_commit(state, spec, accepted, impl=impl)
+    for layer, kind in enumerate(cfg.layer_kinds):
+        x = inputs[layer]
+        comp, extra = compressor_operands(kind, x, params.get(layer))
+        state = write_layer(state, layer, kept, x["kv"], *comp, impl=impl, **extra)
+    return state, kept, outputs
 
 
 def read_step(state, meta, queries, impl):

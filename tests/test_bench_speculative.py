@@ -1,0 +1,25 @@
+"""benchmarks/bench_speculative.py's quick run on the CPU: every program it
+times gives a row with a time and no error counts, and the summary row
+compares the speculative step with the plain one."""
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_rows(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "bench_speculative", ROOT / "benchmarks" / "bench_speculative.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "speculative.json"
+    assert bench.main(["--quick", "--reps", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    timed = {r["program"]: r for r in rows if r["program"] != "summary"}
+    assert set(timed) == {"plain", "speculative", "begin", "commit", "restore"}
+    for r in timed.values():
+        assert r["host_ms"] > 0 and not any(r["errors"]), r
+    summary = next(r for r in rows if r["program"] == "summary")
+    assert summary["speculative_over_plain"] > 0 and summary["commit_us_per_layer"] > 0
+    assert 0 < summary["kept_tokens"] <= summary["verified_tokens"] == 2 * 4
