@@ -144,6 +144,7 @@ def test_bench_writes_numbers(capsys, tmp_path):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     code, out = run_cli(capsys, "bench", "--plain", "--quick", "--reps", "1", "--batch", "1",
                         "--rows", "1", "--flush-decode", "2", "--flush-prefill", "16",
+                        "--inner", "2",
                         "--json", str(out_json), "--plot", str(out_png))
     assert code == 0, out
     data = json.loads(out_json.read_text())
@@ -171,6 +172,7 @@ def test_bench_times_the_ops_asked(capsys, tmp_path):
     out_json = tmp_path / "b.json"
     code, out = run_cli(capsys, "bench", "--plain", "--quick", "--reps", "1", "--batch", "1",
                         "--ops", "append,attention", "--rows", "8", "--flush-decode", "2",
+                        "--inner", "2",
                         "--json", str(out_json), "--plot", str(tmp_path / "b.png"))
     assert code == 0, out
     data = json.loads(out_json.read_text())

@@ -23,7 +23,7 @@ from ..ops.write_layer import write_layer
 from ..params import yarn_inv_freq
 from ..state import init_state
 from .filled_state import filled_state
-from .inputs import (INDEX_KEY, ROW, entry_bytes, flush_bytes, flush_params, inner_layers,
+from .inputs import (INDEX_KEY, ROW, entry_bytes, flush_bytes, flush_params,
                      pool_config, random_pools, with_blocks)
 
 SETS = 2    # input sets a case rotates over
@@ -58,7 +58,7 @@ def bench_append(b, rows_list, fmt):
     for T in rows_list:
         R = T if T <= 64 else max(64, T // 128)
         per = -(-T // R)
-        L = inner_layers(T)
+        L = b.layers(T)
         cfg = pool_config(C.SWA, L, R, 64, kv_format=fmt)
         slot = np.repeat(np.arange(R, dtype=np.int32), per)[:T]
         base = b.rng.integers(0, 4000, R).astype(np.int32)
@@ -82,7 +82,7 @@ def bench_gather_window(b, rows_list, fmt):
         if rows < C.WINDOW and rows != 1:
             continue  # a window is 128 rows: 1 request stands for the small sizes
         B = max(1, rows // C.WINDOW)
-        L = inner_layers(B * C.WINDOW)
+        L = b.layers(B * C.WINDOW)
         cfg = pool_config(C.SWA, L, B, 64, kv_format=fmt)
         states = []
         for _ in range(SETS):
@@ -101,7 +101,7 @@ def bench_gather_topk(b, rows_list, fmt):
     for rows in rows_list:
         K = min(rows, 512)
         T = max(1, rows // K)
-        L = inner_layers(rows)
+        L = b.layers(rows)
         ctx = 4096
         MB = ctx // C.BLOCK_TOKENS
         cfg = pool_config(C.CSA, L, T, MB, kv_format=fmt)
@@ -122,7 +122,7 @@ def bench_gather_all(b, rows_list, fmt):
     for rows in rows_list:
         E = min(rows, 32)
         B = max(1, rows // E)
-        L = inner_layers(rows)
+        L = b.layers(rows)
         cfg = pool_config(C.HCA, L, B, E, kv_format=fmt)
         states = [with_blocks(random_pools(init_state(cfg), b.rng), B, E) for _ in range(SETS)]
         slots = jnp.arange(B, dtype=jnp.int32)
@@ -144,7 +144,7 @@ def bench_flush(b, kind, cases, fmt):
     for label, B, per in cases:
         T = B * per
         MB = max(32, -(-per // C.BLOCK_TOKENS))  # 4096 tokens of context, or the prefill's
-        L = min(inner_layers(T), 16)
+        L = b.layers(T, 16)
         cfg = pool_config(kind, L, B, MB, kv_format=fmt)
         slot = np.repeat(np.arange(B, dtype=np.int32), per)
         pos = (np.full(T, 4095, np.int32) if per == 1
@@ -178,7 +178,7 @@ def bench_write_layer(b, cases, fmt):
     for label, B, per in cases:
         T = B * per
         MB = max(32, -(-per // C.BLOCK_TOKENS))
-        L = min(inner_layers(T), 16)
+        L = b.layers(T, 16)
         cfg = pool_config(C.CSA, L, B, MB, kv_format=fmt)
         slot = np.repeat(np.arange(B, dtype=np.int32), per)
         pos = (np.full(T, 4095, np.int32) if per == 1
@@ -240,7 +240,7 @@ def bench_indexer_topk(b, batches, context, fmt):
     one a request at its last position, over `context` tokens' keys."""
     k = 512
     for B in batches:
-        L = min(inner_layers(B * context // C.CSA_RATIO // 64), 16)
+        L = b.layers(B * context // C.CSA_RATIO // 64, 16)
         states = _filled_csa(b, L, B, context, fmt)
         slot = jnp.arange(B, dtype=jnp.int32)
         pos = jnp.full((B,), context - 1, jnp.int32)
@@ -262,7 +262,7 @@ def bench_attention(b, batches, context, fmt):
     H, k = 64, 512
     inv = jnp.asarray(yarn_inv_freq())
     for B in batches:
-        L = min(inner_layers(B * (C.WINDOW + k) * H // 64), 16)   # rows x heads / 64
+        L = b.layers(B * (C.WINDOW + k) * H // 64, 16)   # rows x heads / 64
         states = _filled_csa(b, L, B, context, fmt)
         slot = jnp.arange(B, dtype=jnp.int32)
         pos = jnp.full((B,), context - 1, jnp.int32)

@@ -45,6 +45,10 @@ def add_options(p: argparse.ArgumentParser, json_default=None, plot_default=None
                         "(default 4096 on a GPU, 512 on a CPU)")
     p.add_argument("--reps", type=size, help="samples a case (the median is reported)")
     p.add_argument("--batch", type=size, help="calls a sample")
+    p.add_argument("--inner", type=size, metavar="N",
+                   help="op calls (on as many layers) in one timed jit call (default: 64 for "
+                        "calls up to 256 rows, 16 up to 4k, 4 beyond; 16 at most for flush, "
+                        "write_layer, indexer_topk and attention)")
     p.add_argument("--with-reference", action="store_true",
                    help="also time the jnp reference of each op and of the step")
     p.add_argument("--quick", action="store_true",

@@ -57,7 +57,7 @@ def bench_flash_step(b, batches, context, fmt):
 
 def run(args, emit=print) -> dict:
     """Every case `args` asks for; the numbers as the JSON holds them."""
-    b = BenchRun(Settings(args.reps, args.batch, args.with_reference), emit)
+    b = BenchRun(Settings(args.reps, args.batch, args.with_reference, args.inner), emit)
     dev = jax.devices()[0]
     emit(f"device: {dev.device_kind} ({b.platform}), impl {b.impl}, jax {jax.__version__}")
     b.empty_call()

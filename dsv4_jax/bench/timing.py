@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import _ffi
 from ..errors import error_counts
+from .inputs import inner_layers
 
 
 def time_it(call, n_sets, batch, reps, warm=2):
@@ -49,6 +50,7 @@ class Settings:
     reps: int              # samples a case, the median is reported
     batch: int             # calls a sample
     with_reference: bool   # also time the jnp reference of each op
+    inner: int | None = None   # op calls a timed jit call; None: by size (inner_layers)
 
 
 class BenchRun:
@@ -66,6 +68,13 @@ class BenchRun:
         self.empty_us = float("nan")
         self._copy_cache: dict[tuple[int, int], float] = {}
         self.rng = np.random.default_rng(0)
+
+    def layers(self, rows: int, most: int | None = None) -> int:
+        """Op calls (on as many layers) a timed jit call makes for an op of
+        `rows` rows: the settings' `inner`, else many for small ops and few
+        for large ones (inputs.inner_layers), at most `most`."""
+        n = self.settings.inner or inner_layers(rows)
+        return n if most is None else min(n, most)
 
     @property
     def impls(self) -> tuple[str, ...]:

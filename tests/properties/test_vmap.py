@@ -12,9 +12,10 @@ import pytest
 import dsv4_jax as D
 
 from support.harness import raw
-from support.marks import requires_cpu_ffi
+from support.marks import CUDA, requires_cpu_ffi
 
-IMPLS = ["reference", pytest.param("cpu", marks=requires_cpu_ffi)]
+IMPLS = ["reference", pytest.param("cpu", marks=requires_cpu_ffi),
+         pytest.param("cuda", marks=CUDA)]
 BATCH = 3
 
 
