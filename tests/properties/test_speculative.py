@@ -60,8 +60,9 @@ def test_commit_equals_a_cache_fed_only_the_kept_tokens(k, impl):
     of 0 .. 1 + k (rotating over three steps), from lengths that put their
     rows across the ring's wrap, CSA windows, the HCA window and the block
     at 128; one more request runs on a shared 128-token prefix."""
-    if impl == "reference" and k not in (1, 4, 7):
-        pytest.skip("the reference runs the ends and a middle k (the CPU handlers run all)")
+    if impl == "reference" and k != 7:
+        pytest.skip("the reference runs the widest k, whose kept counts span 0 .. 8 (the CPU "
+                    "handlers run every k; write_layer and copy_rows hold the two equal)")
     B = 2 + k
     cfg = dj.CacheConfig.tiny(max_requests=B + 2, max_context=512, num_blocks=4 * (B + 2))
     streams = {i: stream(cfg, 512, seed=10 * k + i) for i in range(B + 1)}
@@ -110,7 +111,8 @@ def test_sharded_commit_equals_the_sharded_twin():
 
 
 # ---- bad counts and counters ----------------------------------------------------------------------
-@pytest.mark.parametrize("impl", IMPLS)
+# the rule is jnp shared by every implementation: the handlers' runs suffice
+@pytest.mark.parametrize("impl", IMPLS[1:])
 def test_bad_counts_are_counted_once_and_keep_nothing(impl):
     """A negative count, one above the slot's rows, and a slot with more rows
     than 1 + drafts: BAD_LENGTH once each, the slot as if it kept nothing; a
@@ -145,7 +147,8 @@ def _with_errors(state, errors):
     return dataclasses.replace(state, errors=jnp.asarray(errors, jnp.int32))
 
 
-@pytest.mark.parametrize("impl", ["reference", pytest.param("cpu", marks=requires_cpu_ffi)])
+# counting is the ops' own (held equal across implementations by their tests)
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=requires_cpu_ffi)])
 def test_rejected_rows_leave_no_count_and_kept_rows_count_as_written(impl):
     """NaN in a rejected draft's rows counts nothing; in a kept row, what a
     plain step of the kept rows counts (append and flush: NONFINITE twice)."""
