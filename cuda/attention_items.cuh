@@ -67,6 +67,20 @@ __device__ __forceinline__ void LoadChunkRow(const AttentionArgs& a, int64_t r, 
   *hi = __ldg(row + lane + 32);
 }
 
+// An int32 operand through the read-only cache (AttnCompressedItem's load).
+struct LoadReadOnly {
+  __device__ __forceinline__ int32_t operator()(const int32_t* p) const { return __ldg(p); }
+};
+
+// Counts a dropped item in state.errors when `counts` (one CTA an item counts).
+struct CountOnDevice {
+  int32_t* errors;
+  bool counts;
+  __device__ __forceinline__ void operator()(int err) const {
+    if (counts) atomicAdd(&errors[err], 1);
+  }
+};
+
 // Whether the call's layer operands are good (BAD_LAYER otherwise).
 __device__ __forceinline__ bool AttnLayerOk(const AttentionArgs& a, int64_t* l, int64_t* lk) {
   *l = __ldg(a.layer);
@@ -138,7 +152,7 @@ __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l
   if (it < kWindow) {
     const int64_t w = lo + it;
     if (w > p || w >= first_pos) return false;
-    *e = (l * a.R + s) * kWindow + w % kWindow;
+    *e = AttnRingEntry(a, l, s, w);
     *src = kFromRing;
     return __ldg(a.swa_pos + *e) == w;
   }
@@ -156,26 +170,8 @@ __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l
     }
     it -= a.T;
   }
-  int err = -1;
-  int64_t block = -1, row = 0;
-  if (a.kind == kAttnCsa) {
-    const int64_t i = __ldg(a.topk + t * a.K + it);
-    if (i == -1) return false;
-    if (i < -1 || i >= IndexVisible(p, a.MB * a.per_block)) {
-      err = kBadIndex;
-    } else {
-      block = __ldg(a.block_table + s * a.MB + i / a.per_block);
-      row = i % a.per_block;
-    }
-  } else {
-    block = __ldg(a.block_table + s * a.MB + it);
-  }
-  if (err < 0 && (block < 0 || block >= a.N)) err = kMissingBlock;
-  if (err >= 0) {
-    if (counts) atomicAdd(&a.errors[err], 1);
+  if (!AttnCompressedItem(a, lk, t, s, p, it, LoadReadOnly(), CountOnDevice{a.errors, counts}, e))
     return false;
-  }
-  *e = (lk * a.N + block) * a.per_block + row;
   *src = kFromPool;
   return true;
 }

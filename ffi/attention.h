@@ -87,6 +87,44 @@ auto BindAttention(Binding binding) {
       .template Ret<ffi::AnyBuffer>();  // scratch
 }
 
+// The ring entry of window position w for slot s of global layer l (seen
+// when swa.pos holds w there).
+DSV4_HD int64_t AttnRingEntry(const AttentionArgs& a, int64_t l, int64_t s, int64_t w) {
+  return (l * a.R + s) * kWindow + w % kWindow;
+}
+
+// Compressed item j of token t (slot s, position p) of a CSA or HCA layer
+// (kind index lk): CSA the pick topk[t, j], HCA entry j. True with *e its
+// pool entry when it is seen; false for a skipped pick (-1) and for one that
+// counts (BAD_INDEX: < -1 or not visible; MISSING_BLOCK), which it hands to
+// `count`. `load` reads an int32 operand (the kernels through the read-only
+// cache). Both handlers decide with it (docs/design.md §6).
+template <typename Load, typename Count>
+DSV4_HD bool AttnCompressedItem(const AttentionArgs& a, int64_t lk, int64_t t, int64_t s,
+                                int64_t p, int64_t j, Load load, Count count, int64_t* e) {
+  int err = -1;
+  int64_t block = -1, row = 0;
+  if (a.kind == kAttnCsa) {
+    const int64_t i = load(a.topk + t * a.K + j);
+    if (i == -1) return false;
+    if (i < -1 || i >= IndexVisible(p, a.MB * a.per_block)) {
+      err = kBadIndex;
+    } else {
+      block = load(a.block_table + s * a.MB + i / a.per_block);
+      row = i % a.per_block;
+    }
+  } else {
+    block = load(a.block_table + s * a.MB + j);
+  }
+  if (err < 0 && (block < 0 || block >= a.N)) err = kMissingBlock;
+  if (err >= 0) {
+    count(err);
+    return false;
+  }
+  *e = (lk * a.N + block) * a.per_block + row;
+  return true;
+}
+
 // The handlers' operands in BindAttention's order (the CUDA handler's stream
 // comes first): one list for both handlers and ValidateAttention, and the
 // names to pass them on with.

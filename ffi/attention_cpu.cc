@@ -73,6 +73,16 @@ void AddEntry(const EntryPool& pool, int64_t e, std::vector<float>* rows) {
   for (int c = 0; c < kHeadDim; ++c) rows->push_back(num::Bf16ToF32(bits[c]));
 }
 
+// An int32 operand read as it is, and a dropped item counted
+// (AttnCompressedItem's load and count on the host).
+struct LoadPlain {
+  int32_t operator()(const int32_t* p) const { return *p; }
+};
+struct CountOnHost {
+  int32_t* errors;
+  void operator()(int err) const { ++errors[err]; }
+};
+
 // The rows token t (slot s, position p) sees, in the handler's fixed order.
 void CollectRows(const AttentionArgs& a, int64_t l, int64_t lk, const ChunkView* chunk,
                  int64_t t, std::vector<float>* rows) {
@@ -80,7 +90,7 @@ void CollectRows(const AttentionArgs& a, int64_t l, int64_t lk, const ChunkView*
   const int64_t p0 = chunk ? chunk->first_pos[s] : INT64_MAX;
   const int64_t lo = std::max<int64_t>(0, p - kWindow + 1);
   for (int64_t w = lo; w <= p && w < p0; ++w) {           // the ring
-    const int64_t e = (l * a.R + s) * kWindow + w % kWindow;
+    const int64_t e = AttnRingEntry(a, l, s, w);
     if (a.swa_pos[e] == w) AddEntry(a.ring, e, rows);
   }
   if (chunk) {                                            // the chunk's rows, by position
@@ -92,31 +102,12 @@ void CollectRows(const AttentionArgs& a, int64_t l, int64_t lk, const ChunkView*
       rows->insert(rows->end(), v, v + kHeadDim);
     }
   }
-  if (a.kind == kAttnCsa) {
-    const int64_t visible = IndexVisible(p, a.MB * a.per_block);
-    for (int64_t j = 0; j < a.K; ++j) {
-      const int64_t i = a.topk[t * a.K + j];
-      if (i == -1) continue;
-      if (i < -1 || i >= visible) {
-        ++a.errors[kBadIndex];
-        continue;
-      }
-      const int64_t block = a.block_table[s * a.MB + i / a.per_block];
-      if (block < 0 || block >= a.N) {
-        ++a.errors[kMissingBlock];
-        continue;
-      }
-      AddEntry(a.pool, (lk * a.N + block) * a.per_block + i % a.per_block, rows);
-    }
-  } else if (a.kind == kAttnHca) {
-    const int64_t n = HcaVisible(p, a.MB);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t block = a.block_table[s * a.MB + i];
-      if (block < 0 || block >= a.N) {
-        ++a.errors[kMissingBlock];
-        continue;
-      }
-      AddEntry(a.pool, lk * a.N + block, rows);
+  if (a.kind != kAttnSwa) {                     // the picks or the HCA entries, in order
+    const int64_t n = a.kind == kAttnCsa ? a.K : HcaVisible(p, a.MB);
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t e = 0;
+      if (AttnCompressedItem(a, lk, t, s, p, j, LoadPlain(), CountOnHost{a.errors}, &e))
+        AddEntry(a.pool, e, rows);
     }
   }
 }
