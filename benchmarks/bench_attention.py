@@ -119,7 +119,7 @@ def _row(b, case, us, visited, T, H, nbytes):
                 copy_frac=copy_us / us, tflops=flops / us / 1e6)
 
 
-def bench_decode(b, batches, contexts, kinds, H, k, peak, with_baseline=True):
+def bench_decode(b, batches, contexts, kinds, H, k, peak, with_baseline=True, kernel="auto"):
     rng = np.random.default_rng(0)
     inv = jnp.asarray(yarn_inv_freq())
     for ctx in contexts:
@@ -136,15 +136,15 @@ def bench_decode(b, batches, contexts, kinds, H, k, peak, with_baseline=True):
                 # them as iota / broadcast kernels inside the timed span
                 fused = jax.jit(lambda st, q_, tk_, sl, ps, sk: attention(
                     st, layer, q_, sl, ps, sink=sk, topk=tk_, rope_inv_freq=inv,
-                    return_state=False))
+                    kernel=kernel, return_state=False))
                 base = jax.jit(lambda st, q_, tk_, sl, ps, sk: baseline(
                     st, layer, kind, q_, sl, ps, sk, tk_, inv, cfg.max_blocks_per_request))
                 args = (state, q, tk, slot, pos, sink)
                 visited = B * (C.WINDOW + (k if kind == "csa" else ctx // C.HCA_RATIO))
                 us, host_us, dev_us = _timed(b, lambda: fused(*args))
                 nbytes = visited * ENTRY_BYTES + 2 * B * H * C.HEAD_DIM * 2
-                row = _row(b, dict(op="attention", mode="decode", kind=kind, B=B, context=ctx),
-                           us, visited, B, H, nbytes)
+                row = _row(b, dict(op="attention", mode="decode", kind=kind, B=B, context=ctx,
+                                   kernel=kernel), us, visited, B, H, nbytes)
                 row.update(peak_frac=row["tflops"] / peak, host_us=host_us, dev_us=dev_us)
                 if with_baseline:
                     base_us, base_host_us, base_dev_us = _timed(b, lambda: base(*args))
@@ -155,7 +155,7 @@ def bench_decode(b, batches, contexts, kinds, H, k, peak, with_baseline=True):
             del state
 
 
-def bench_prefill(b, n, kinds, H, k, peak, with_baseline=True):
+def bench_prefill(b, n, kinds, H, k, peak, with_baseline=True, kernel="auto"):
     """One request's first chunk of n tokens (flushed entries for all of it)."""
     rng = np.random.default_rng(1)
     inv = jnp.asarray(yarn_inv_freq())
@@ -173,15 +173,16 @@ def bench_prefill(b, n, kinds, H, k, peak, with_baseline=True):
         tk = topk if kind == "csa" else None
         calls = {impl: jax.jit(lambda st, q_, tk_, ck, sl, ps, sk, impl=impl: attention(
             st, layer, q_, sl, ps, sink=sk, topk=tk_, chunk_kv=ck, rope_inv_freq=inv,
-            impl=impl, return_state=False))
+            impl=impl, kernel=kernel, return_state=False))
             for impl in (("auto", "reference") if with_baseline else ("auto",))}
         args = (state, q, tk, chunk, slot, pos, sink)     # not captured: see bench_decode
         us, host_us, dev_us = _timed(b, lambda: calls["auto"](*args))
         p = np.arange(n)
         comp = np.minimum((p + 1) // 4, k) if kind == "csa" else (p + 1) // C.HCA_RATIO
         visited = int(np.sum(np.minimum(p + 1, C.WINDOW) + comp))
-        row = _row(b, dict(op="attention", mode="prefill", kind=kind, B=1, context=n), us,
-                   visited, n, H, visited * ENTRY_BYTES + 4 * n * H * C.HEAD_DIM)
+        row = _row(b, dict(op="attention", mode="prefill", kind=kind, B=1, context=n,
+                           kernel=kernel), us, visited, n, H,
+                   visited * ENTRY_BYTES + 4 * n * H * C.HEAD_DIM)
         row.update(peak_frac=row["tflops"] / peak, host_us=host_us, dev_us=dev_us)
         if with_baseline:
             ref_us, ref_host_us, ref_dev_us = _timed(b, lambda: calls["reference"](*args))
@@ -201,20 +202,23 @@ def main(argv=None) -> int:
                     help="time attention alone (no gathers + dense path, no jnp reference)")
     ap.add_argument("--batches", type=lambda v: tuple(int(x) for x in v.split(",")),
                     default=(1, 8, 64, 128), help="decode batch sizes (default 1,8,64,128)")
+    ap.add_argument("--kernel", choices=("auto", "mma_sync"), default="auto",
+                    help="the CUDA kernel (attention's `kernel`): auto, or the warp-level "
+                         "mma.sync one Blackwell runs")
     args = ap.parse_args(argv)
     base = not args.no_baseline
     if args.quick:
         b = BenchRun(Settings(reps=args.reps or 2, batch=1, with_reference=False))
         bench_decode(b, (1, 2), (512,), ("csa", "hca"), H=4, k=16, peak=args.peak_tflops,
-                     with_baseline=base)
+                     with_baseline=base, kernel=args.kernel)
         bench_prefill(b, 256, ("csa", "hca"), H=4, k=16, peak=args.peak_tflops,
-                      with_baseline=base)
+                      with_baseline=base, kernel=args.kernel)
     else:
         b = BenchRun(Settings(reps=args.reps or 20, batch=10, with_reference=False))
         bench_decode(b, args.batches, (4096, 65536), ("csa", "hca"), H=64, k=512,
-                     peak=args.peak_tflops, with_baseline=base)
+                     peak=args.peak_tflops, with_baseline=base, kernel=args.kernel)
         bench_prefill(b, 4096, ("csa", "hca"), H=64, k=512, peak=args.peak_tflops,
-                      with_baseline=base)
+                      with_baseline=base, kernel=args.kernel)
     rate = _copy_rate(b)
     b.record(op="copy", gbps=rate / 1e9 if rate else b.copy_gbps,
              timeline=rate is not None)

@@ -1,17 +1,18 @@
 // CUDA handler of attention (operands in ffi/attention.h, rules in
 // docs/design.md §6 and dsv4_jax/ops/attention.py). A prefill call first
-// encodes its chunk rows once (attention_chunk.cuh). On Hopper (sm_90) the
-// tensor-core kernel (attention_wgmma.cuh) runs with each token's items split
-// over a cluster of CTAs that merge in distributed shared memory
-// (attention_finish.cuh); elsewhere the CUDA-core kernel (attention_simt.cuh).
+// encodes its chunk rows once (attention_chunk.cuh). Then the tensor-core
+// kernel (attention_tensor_core.cuh) runs with each token's items split over
+// a cluster of CTAs that merge in distributed shared memory
+// (attention_finish.cuh): on wgmma where the device has it (sm_90, Hopper),
+// on warp-level mma.sync elsewhere (sm_100, Blackwell) or when the call asks
+// for it (attr `kernel` 1, how the tests run that path on a Hopper).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 
 #include "attention_chunk.cuh"
-#include "attention_simt.cuh"
-#include "attention_wgmma.cuh"
+#include "attention_tensor_core.cuh"
 #include "handlers_cuda.h"
 #include "launch.cuh"
 
@@ -27,15 +28,19 @@ int64_t MaxCandidates(const AttentionArgs& a) {
   return kWindow + (a.has_chunk ? a.T : 0) + extra;
 }
 
-// Clusters of `splits` tensor-core CTAs the device holds at once (cached per
-// device; 0: that cluster size cannot run).
+template <class Products>
+constexpr auto kKernel = tc::AttentionKernel<Products>;
+
+// Clusters of `splits` CTAs of the kernel the device holds at once (cached
+// per device and kernel; 0: that cluster size cannot run).
+template <class Products>
 int ActiveClusters(int splits) {
   static std::atomic<int> cache[64][tc::kMaxSplits + 1];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
   int n = cache[dev][splits].load(std::memory_order_relaxed);
   if (n == 0) {
-    n = cuda::MaxActiveClusters(tc::AttentionWgmmaKernel, tc::kThreads, tc::kSharedBytes,
+    n = cuda::MaxActiveClusters(kKernel<Products>, tc::kThreads, tc::kSharedBytes,
                                 static_cast<unsigned>(splits));
     cache[dev][splits].store(n > 0 ? n : -1, std::memory_order_relaxed);
   }
@@ -46,31 +51,32 @@ int ActiveClusters(int splits) {
 // as keep the whole grid in one wave of the device (its multiprocessors and
 // the clusters it can hold at once), never more than the 64-row tiles a
 // token has, so the splits' partials are merged on chip.
+template <class Products>
 int SplitsFor(const AttentionArgs& a) {
   const int64_t groups = a.T * ((a.H + tc::kHeads - 1) / tc::kHeads);
   if (groups <= 0) return 1;
   const int64_t tiles = (MaxCandidates(a) + tc::kTileRows - 1) / tc::kTileRows;
   int64_t want = std::min<int64_t>({tiles, tc::kMaxSplits, cuda::SmCount() / groups});
   for (int s = static_cast<int>(want); s >= 2; --s)
-    if (ActiveClusters(s) >= groups) return s;
+    if (ActiveClusters<Products>(s) >= groups) return s;
   return 1;
 }
 
+template <class Products>
 ffi::Error LaunchTensorCores(const AttentionArgs& a, cudaStream_t stream) {
-  cudaError_t e =
-      cuda::AllowDynamicShared<tc::AttentionWgmmaKernel>(static_cast<int>(tc::kSharedBytes));
+  const auto kernel = kKernel<Products>;
+  cudaError_t e = cuda::AllowDynamicShared<kKernel<Products>>(static_cast<int>(tc::kSharedBytes));
   if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(tc::AttentionWgmmaKernel,
-                             cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (e != cudaSuccess)
     return ffi::Error::Internal(std::string("attention: kernel attributes: ") +
                                 cudaGetErrorString(e));
-  const int splits = SplitsFor(a);
+  const int splits = SplitsFor<Products>(a);
   const dim3 grid(static_cast<unsigned>((a.T > 0 ? a.T : 1) * splits),
                   static_cast<unsigned>((a.H + tc::kHeads - 1) / tc::kHeads));
   return cuda::LaunchResult(
-      cuda::LaunchOverlapped(tc::AttentionWgmmaKernel, grid, dim3(tc::kThreads),
-                             tc::kSharedBytes, static_cast<unsigned>(splits), stream, a, splits),
+      cuda::LaunchOverlapped(kernel, grid, dim3(tc::kThreads), tc::kSharedBytes,
+                             static_cast<unsigned>(splits), stream, a, splits),
       "attention");
 }
 
@@ -89,9 +95,9 @@ ffi::Error AttentionImpl(cudaStream_t stream, DSV4_ATTENTION_OPERANDS) {
                                stream, a),
         "attention (chunk encoding)"));
   }
-  if (cuda::ComputeMajor() == 9) return LaunchTensorCores(a, stream);
-  cuda::simt::LaunchAttentionSimt(a, stream);
-  return cuda::LaunchStatus("attention");
+  if (a.kernel == kAttnKernelAuto && cuda::ComputeMajor() == 9)
+    return LaunchTensorCores<cuda::wgmma::Products>(a, stream);
+  return LaunchTensorCores<cuda::warp_mma::Products>(a, stream);
 }
 
 }  // namespace

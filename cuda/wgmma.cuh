@@ -140,6 +140,31 @@ __device__ __forceinline__ void MmaSS256(float (&d)[128], uint64_t a, uint64_t b
 #endif
 }
 
+// The attention kernel's two products of a consumer warpgroup (see
+// warp_mma::Products for the same on mma.sync): S of its half tile, then
+// O += P.V issued asynchronously and waited for before the next tile.
+struct Products {
+  // S[64 x 32] = Q . K^T, `rows` the half tile's first row (K-major)
+  __device__ static void Scores(float (&d)[16], const uint8_t* q, const uint8_t* rows, int) {
+    Fence();
+#pragma unroll
+    for (int k = 0; k < 32; ++k) MmaSS32(d, KMajor(q, k), KMajor(rows, k), k > 0);
+    Commit();
+    WaitAll();
+  }
+  // O[64 x 256] += P . V over output channels 256c .. 256c + 255
+  __device__ static void IssuePV(float (&o)[128], const uint8_t* p, const uint8_t* tile, int c,
+                                 int) {
+    Fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) MmaSS256(o, KMajor(p, kk), NMajor(tile, 4 * c, kk));
+    Commit();
+  }
+  __device__ static void WaitPV() { WaitAll(); }
+  // shared-memory writes the products read next (the async proxy's view)
+  __device__ static void FenceShared() { FenceSharedForAsync(); }
+};
+
 }  // namespace wgmma
 }  // namespace cuda
 }  // namespace dsv4

@@ -1,6 +1,7 @@
 // dsv4_attention: operands, binding and validation shared by the CPU and CUDA
 // handlers. Rules: docs/design.md §6 (`attention`), dsv4_jax/ops/attention.py.
-//   attrs kv_format, kind (0 SWA, 1 CSA, 2 HCA)
+//   attrs kv_format, kind (0 SWA, 1 CSA, 2 HCA), kernel (CUDA: 0 auto, 1
+//         mma.sync; attention_rules.h AttnKernel)
 //   args  layer s32[] (global), comp_layer s32[] (kind index; SWA: ignored),
 //         q bf16[T,H,512], token_slot s32[T], token_pos s32[T], topk s32[T,k]
 //         (k = 0 unless CSA), chunk_kv bf16[T or 0,512], sink f32[H],
@@ -27,6 +28,7 @@ namespace dsv4 {
 struct AttentionArgs {
   int64_t T = 0, H = 0, K = 0, R = 0, MB = 0, L = 0, Lk = 0, N = 0, per_block = 0;
   int kind = kAttnSwa;
+  int kernel = kAttnKernelAuto;
   bool has_chunk = false;
   const int32_t* layer = nullptr;
   const int32_t* comp_layer = nullptr;
@@ -68,6 +70,7 @@ auto BindAttention(Binding binding) {
   return std::move(binding)
       .template Attr<int64_t>("kv_format")
       .template Attr<int64_t>("kind")
+      .template Attr<int64_t>("kernel")
       .template Arg<ffi::AnyBuffer>()  // layer
       .template Arg<ffi::AnyBuffer>()  // comp_layer
       .template Arg<ffi::AnyBuffer>()  // q
@@ -129,7 +132,7 @@ DSV4_HD bool AttnCompressedItem(const AttentionArgs& a, int64_t lk, int64_t t, i
 // comes first): one list for both handlers and ValidateAttention, and the
 // names to pass them on with.
 #define DSV4_ATTENTION_OPERANDS                                                              \
-  int64_t kv_format, int64_t kind, ffi::AnyBuffer layer, ffi::AnyBuffer comp_layer,          \
+  int64_t kv_format, int64_t kind, int64_t kernel, ffi::AnyBuffer layer, ffi::AnyBuffer comp_layer,          \
       ffi::AnyBuffer q, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,                 \
       ffi::AnyBuffer topk, ffi::AnyBuffer chunk_kv, ffi::AnyBuffer sink,                     \
       ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,           \
@@ -137,7 +140,7 @@ DSV4_HD bool AttnCompressedItem(const AttentionArgs& a, int64_t lk, int64_t t, i
       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,                      \
       ffi::Result<ffi::AnyBuffer> errors, ffi::Result<ffi::AnyBuffer> scratch
 #define DSV4_ATTENTION_OPERAND_NAMES                                                         \
-  kv_format, kind, layer, comp_layer, q, token_slot, token_pos, topk, chunk_kv, sink,        \
+  kv_format, kind, kernel, layer, comp_layer, q, token_slot, token_pos, topk, chunk_kv, sink,        \
       inv_freq, block_table, swa_pos, errors_in, entry_args, out, lse, errors, scratch
 
 inline ffi::Error ValidateAttention(DSV4_ATTENTION_OPERANDS, AttentionArgs* result) {
@@ -147,6 +150,10 @@ inline ffi::Error ValidateAttention(DSV4_ATTENTION_OPERANDS, AttentionArgs* resu
     return ffi::Error::InvalidArgument("kind: expected 0 (SWA), 1 (CSA) or 2 (HCA), got " +
                                        std::to_string(kind));
   a.kind = static_cast<int>(kind);
+  if (kernel != kAttnKernelAuto && kernel != kAttnKernelMmaSync)
+    return ffi::Error::InvalidArgument("kernel: expected 0 (auto) or 1 (mma.sync), got " +
+                                       std::to_string(kernel));
+  a.kernel = static_cast<int>(kernel);
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("comp_layer", comp_layer));
   DSV4_RETURN_IF_ERROR(CheckBuffer("q", q, ffi::DataType::BF16, {-1, -1, kHeadDim}));

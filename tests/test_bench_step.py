@@ -90,13 +90,17 @@ def test_kernels_fall_into_op_families():
     def dsv4(name):
         return f"void dsv4::(anonymous namespace)::{name}(dsv4::(anonymous namespace)::Args)"
     family = device_timeline.kernel_family
-    for name, want in [("AttentionWgmmaKernel", "attention"), ("AttentionCombineKernel", "attention"),
-                       ("AttentionSimtKernel", "attention"), ("ScoreKernelMxfp4<4>", "indexer"),
+    for name, want in [("AttentionKernel<dsv4::cuda::wgmma::Products>", "attention"),
+                       ("AttentionChunkEncodeKernel", "attention"),
+                       ("AttentionKernel<dsv4::cuda::warp_mma::Products>", "attention"),
+                       ("ScoreKernelMxfp4<4>", "indexer"),
                        ("SelectKernel", "indexer"), ("WriteLayerKernel", "writes"),
                        ("AppendKernel", "writes"), ("FlushPlanKernel", "writes"),
                        ("ResetAndScrubKernel", "writes"), ("GatherTopkKernel", "gathers"),
                        ("CopyRowsKernel", "other")]:
         assert family(dsv4(name)) == want, name
+    assert (device_timeline.kernel_name(dsv4("AttentionKernel<dsv4::cuda::wgmma::Products>"))
+            == "AttentionKernel<dsv4::cuda::wgmma::Products>")
     assert family("memcpy32_post") == "copies"
     assert family("loop_add_fusion") == "other"
     assert family("input_reduce_fusion_Attention") == "other"     # not a dsv4 kernel

@@ -26,15 +26,22 @@ def kernel_name(demangled):
     dsv4::(anonymous namespace)::AppendArgs)': the parameter list ends at
     the parenthesis matching the final one (the last '(' can sit inside it,
     as in '(anonymous namespace)'), the name is what follows the last '::'
-    before it."""
-    depth, cut = 0, len(demangled)
-    if demangled.endswith(")"):
-        for i in range(len(demangled) - 1, -1, -1):
-            depth += {")": 1, "(": -1}.get(demangled[i], 0)
-            if depth == 0:
-                cut = i
-                break
-    return demangled[:cut].split("::")[-1]
+    before it, a template's arguments kept whole ('AttentionKernel<
+    dsv4::cuda::wgmma::Products>')."""
+    cut = _matching_open(demangled, "(", ")") if demangled.endswith(")") else len(demangled)
+    head = demangled[:cut]
+    args = _matching_open(head, "<", ">") if head.endswith(">") else len(head)
+    return head[:args].split("::")[-1] + head[args:]
+
+
+def _matching_open(text, open_, close):
+    """Index of the bracket that opens the one `text` ends with."""
+    depth = 0
+    for i in range(len(text) - 1, -1, -1):
+        depth += {close: 1, open_: -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
 
 
 def kernel_kind(demangled):

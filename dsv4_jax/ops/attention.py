@@ -11,7 +11,8 @@ what the call dropped, as for the gathers (`return_state=False`: only
 (out, lse), the counts not kept).
 
 FFI target "dsv4_attention" (the same operands on CPU and CUDA):
-  attrs  kv_format, kind (0 SWA, 1 CSA, 2 HCA)
+  attrs  kv_format, kind (0 SWA, 1 CSA, 2 HCA), kernel (0 auto, 1 mma.sync:
+         which CUDA kernel; the CPU handler ignores it)
   args   layer i32[] (global, -1 = bad), comp_layer i32[] (index among the
          layers of `kind`, -1 = bad; ignored for SWA), q bf16[T, H, 512],
          token_slot i32[T], token_pos i32[T], topk i32[T, k] (k = 0 unless
@@ -42,6 +43,8 @@ from ._layer import layer_operand, pick_layer, traced_layer
 
 _I32 = jnp.int32
 KIND_CODE = {C.SWA: 0, C.CSA: 1, C.HCA: 2}
+# the `kernel` attribute (ffi/include/dsv4/attention_rules.h AttnKernel)
+KERNELS = {"auto": 0, "mma_sync": 1}
 
 def _layer_kind(cfg, layer, kind):
     """The layer's kind: read off the config for a Python int (a `kind`
@@ -83,7 +86,8 @@ def _check(cfg, kind, q, token_slot, token_pos, sink, topk, chunk_kv, rope_inv_f
 def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
               token_pos: jax.Array, *, sink: jax.Array, topk: jax.Array | None = None,
               chunk_kv: jax.Array | None = None, rope_inv_freq: jax.Array | None = None,
-              kind: str | None = None, impl: str = "auto", return_state: bool = True):
+              kind: str | None = None, impl: str = "auto", kernel: str = "auto",
+              return_state: bool = True):
     """DeepSeek-V4 attention of `q[T, H, 512]` over what each token sees in
     the cache: `out bf16[T, H, 512]`, `lse f32[T, H]`.
 
@@ -104,6 +108,10 @@ def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
                    query's position with these frequencies (the model's
                    rope of this layer); None leaves them as attended
     kind           "swa", "csa" or "hca": needed for a traced layer
+    kernel         CUDA only (the other implementations have one): "auto"
+                   runs the wgmma kernel on Hopper and the warp-level
+                   mma.sync kernel elsewhere (Blackwell); "mma_sync" runs the
+                   latter on any GPU (same results within the bound)
     returns        (out, lse, state), or (out, lse) with return_state=False
 
     Per token and head: logits s_j = (q . v_j) * 512^-0.5 over the rows v_j
@@ -115,6 +123,8 @@ def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
     and dropping it (out 0, lse -inf): BAD_SLOT, BAD_POSITION, NONFINITE (NaN
     or Inf in its q); BAD_LAYER for a bad traced layer or kind."""
     check_state(state)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {tuple(KERNELS)}, got {kernel!r}")
     cfg = state.config
     kind = _layer_kind(cfg, layer, kind)
     _check(cfg, kind, q, token_slot, token_pos, sink, topk, chunk_kv, rope_inv_freq)
@@ -133,7 +143,7 @@ def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
             fr = next(it) if rope_inv_freq is not None else None
             return attention(st, pick_layer(layer, list(it)), q_, s_, p_, sink=sk, topk=tk,
                              chunk_kv=ck, rope_inv_freq=fr, kind=kind, impl=impl,
-                             return_state=return_state)
+                             kernel=kernel, return_state=return_state)
         outs = ("rows", "rows") + (("state",) if return_state else ())
         return run_sharded(body, state, rows, reps + lay, outs)
 
@@ -166,7 +176,7 @@ def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
              jax.ShapeDtypeStruct(state.errors.shape, _I32),
              jax.ShapeDtypeStruct((scratch,), jnp.uint8)],
             errors_alias(11, 2, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
-            kind=KIND_CODE[kind])
+            kind=KIND_CODE[kind], kernel=KERNELS[kernel])
     if not return_state:
         return out, lse
     return out, lse, dataclasses.replace(state, errors=errors)

@@ -78,6 +78,12 @@ def decode_batch(rng, lengths, k, pads=2):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
 def test_decode_matches_oracle(fmt, kind):
+    decode_case(fmt, kind)
+
+
+def decode_case(fmt, kind, **kw):
+    """Four requests (fewer entries than k, a partial ring, full ones) and
+    padding rows, one decode token each."""
     rng = np.random.default_rng(hash((fmt, kind)) % 2 ** 32)
     lengths = {0: 1, 1: 37, 2: 300, 3: 700}      # fewer entries than k, a partial ring, full ones
     state = AO.random_state(fmt, lengths, seed=1)
@@ -85,7 +91,7 @@ def test_decode_matches_oracle(fmt, kind):
     H = 8
     topk = picks(rng, pos, 16) if kind == "csa" else None
     sink = rng.normal(0, 1, H).astype(np.float32)
-    check(state, LAYER[kind], queries(rng, len(slot), H), slot, pos, sink, topk)
+    check(state, LAYER[kind], queries(rng, len(slot), H), slot, pos, sink, topk, **kw)
 
 
 @every_impl
@@ -153,6 +159,12 @@ def chunk_rows(rng, before: dict, sizes: dict, interleave=False):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
 def test_prefill_chunk_matches_oracle(fmt, kind):
+    prefill_case(fmt, kind)
+
+
+def prefill_case(fmt, kind, **kw):
+    """A first chunk, one across a block, one longer than the window, and a
+    chunk row append would drop."""
     rng = np.random.default_rng(hash((fmt, kind, "chunk")) % 2 ** 32)
     before = {0: 0, 1: 90, 3: 250}
     sizes = {0: 40, 1: 60, 3: 150}                    # a first chunk, one across a block, one > 128
@@ -164,7 +176,7 @@ def test_prefill_chunk_matches_oracle(fmt, kind):
     chunk[3, 7] = np.inf                              # a row append would drop: not seen
     topk = picks(rng, pos, 16) if kind == "csa" else None
     check(state, LAYER[kind], queries(rng, len(slot), H), slot, pos,
-          rng.normal(0, 1, H).astype(np.float32), topk, chunk)
+          rng.normal(0, 1, H).astype(np.float32), topk, chunk, **kw)
 
 
 @every_impl
@@ -217,6 +229,10 @@ def test_prefill_chunk_equals_decoding_one_by_one(kind, impl_under_test):
 @every_impl
 @pytest.mark.parametrize("kind,H", [("csa", 64), ("hca", 64), ("csa", 96)])
 def test_flash_shapes_many_requests(kind, H):
+    flash_case(kind, H)
+
+
+def flash_case(kind, H, **kw):
     """V4-Flash's 64 heads and k = 512 (more items than one pass of the CUDA
     kernels: ten 64-row tiles, which the tensor-core kernel splits over CTAs),
     eight requests up to 4k tokens; 96 heads make one full and one partial
@@ -228,16 +244,31 @@ def test_flash_shapes_many_requests(kind, H):
     slot, pos = decode_batch(rng, lengths, 512, pads=1)
     topk = picks(rng, pos, 512) if kind == "csa" else None
     check(state, LAYER[kind], queries(rng, len(slot), H), slot, pos,
-          rng.normal(0, 1, H).astype(np.float32), topk)
+          rng.normal(0, 1, H).astype(np.float32), topk, **kw)
 
 
 @CUDA_MARKS
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
+def test_mma_sync_kernel_matches_oracle(fmt, kind):
+    """The tensor-core kernel on warp-level mma.sync, what a Blackwell GPU runs
+    (kernel="mma_sync" runs it on this Hopper): decode and prefill chunks of
+    every format and layer kind, and V4-Flash shapes with 96 heads."""
+    decode_case(fmt, kind, kernel="mma_sync")
+    prefill_case(fmt, kind, kernel="mma_sync")
+    if fmt == "ds_fp8" and kind != "swa":
+        flash_case(kind, 96, kernel="mma_sync")
+
+
+@CUDA_MARKS
+@pytest.mark.parametrize("kernel", ["auto", "mma_sync"])
 @pytest.mark.parametrize("B", [1, 2, 8, 20, 64, 140])
-def test_decode_batches_that_split_over_clusters(B):
+def test_decode_batches_that_split_over_clusters(B, kernel):
     """V4-Flash decode batches whose tokens the tensor-core kernel splits over
     clusters of different sizes (B = 1: up to 16 CTAs a token merging in
     distributed shared memory; B = 64: two; B = 140: none, more tokens than
-    one wave), CSA with k = 512 and HCA, against the oracle."""
+    one wave), CSA with k = 512 and HCA, against the oracle; on wgmma (this
+    Hopper's "auto") and on mma.sync."""
     rng = np.random.default_rng(100 + B)
     lengths = {s: int(n) for s, n in enumerate(rng.integers(1, 4096, B))}
     lengths[0] = 4096
@@ -246,8 +277,8 @@ def test_decode_batches_that_split_over_clusters(B):
     H = 64
     sink = rng.normal(0, 1, H).astype(np.float32)
     q = queries(rng, len(slot), H)
-    check(state, LAYER["csa"], q, slot, pos, sink, picks(rng, pos, 512))
-    check(state, LAYER["hca"], q, slot, pos, sink)
+    check(state, LAYER["csa"], q, slot, pos, sink, picks(rng, pos, 512), kernel=kernel)
+    check(state, LAYER["hca"], q, slot, pos, sink, kernel=kernel)
 
 
 @pytest.mark.slow
@@ -285,6 +316,8 @@ def test_argument_errors():
         D.attention(state, jnp.int32(0), q, s, p, sink=sink)
     with pytest.raises(ValueError, match="kind"):
         D.attention(state, 0, q, s, p, sink=sink, kind="hca")
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        D.attention(state, 0, q, s, p, sink=sink, kernel="wgmma")
 
 
 # ---- implementations against each other -------------------------------------------------------

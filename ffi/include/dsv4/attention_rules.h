@@ -15,6 +15,11 @@ namespace dsv4 {
 // Layer kinds as the `kind` attribute of dsv4_attention spells them.
 enum AttnKind : int { kAttnSwa = 0, kAttnCsa = 1, kAttnHca = 2 };
 
+// Which tensor-core kernel a CUDA call runs, the `kernel` attribute (the CPU
+// handler has one implementation and ignores it): auto (wgmma on Hopper,
+// mma.sync elsewhere) or the warp-level mma.sync one on any GPU.
+enum AttnKernel : int { kAttnKernelAuto = 0, kAttnKernelMmaSync = 1 };
+
 // fl32(512^-0.5), the softmax scale of every layer kind; it multiplies the
 // fp32 dot product (docs/design.md §6, step 1).
 DSV4_HD float AttnScale() { return 0.044194173824159216f; }

@@ -1,8 +1,12 @@
-// The attention kernel on Hopper's tensor cores (sm_90a, wgmma). One CTA per
-// (query token, 64 heads, split of the token's candidate items); the splits
-// of a token form one thread-block cluster and merge their partials through
-// distributed shared memory at the end (attention_finish.cuh), so no partial
-// leaves the SMs and no second kernel runs. Three warpgroups:
+// The attention kernel on the tensor cores. One CTA per (query token, 64
+// heads, split of the token's candidate items); the splits of a token form
+// one thread-block cluster and merge their partials through distributed
+// shared memory at the end (attention_finish.cuh), so no partial leaves the
+// SMs and no second kernel runs. It is built twice, on the two products a
+// consumer computes (S = Q.K^T and O += P.V): Hopper's warpgroup wgmma
+// (WgmmaProducts, sm_90a) and the warp-level mma.sync every tensor-core GPU
+// since sm_80 has (warp_mma::Products: Blackwell's path, which the H100 also
+// runs under the tests). Three warpgroups:
 //  - the producer decides the split's items 128 at a time (attention_items.cuh,
 //    counting bad indices and missing blocks once), compacts the seen ones in
 //    item order into tiles of 64 rows and fetches each tile's raw fp8 rows
@@ -10,15 +14,16 @@
 //    staging buffers, a tile ahead of the consumers. It holds no row in
 //    registers, so its 72 registers suffice.
 //  - the two consumer warpgroups (8 warps) dequantize a staged tile to bf16
-//    into the 128-byte-swizzled layout wgmma reads (bf16 pools are read from
-//    global memory here; a prefill chunk's rows come encoded as append
-//    stores them by AttentionChunkEncodeKernel, non-finite ones unseen). Consumer c then computes S for its
-//    half of the tile's rows (64 heads x 32 rows, K-dim 512), so S is computed
-//    once; the halves exchange their row maxima through shared memory, each
-//    writes its bf16 weights (the design's step 4) into the shared P tile,
-//    and each runs O += P.V for its half of the 512 output channels with both
-//    operands in shared memory. The softmax runs in log2 units (exp2 on the
-//    SFU); attention is tolerance-checked, not bit-exact (design §6).
+//    into the 128-byte-swizzled slabs both products read (bf16 pools are read
+//    from global memory here; a prefill chunk's rows come encoded as append
+//    stores them by AttentionChunkEncodeKernel, non-finite ones unseen).
+//    Consumer c then computes S for its half of the tile's rows (64 heads x
+//    32 rows, K-dim 512), so S is computed once; the halves exchange their
+//    row maxima through shared memory, each writes its bf16 weights (the
+//    design's step 4) into the shared P tile, and each runs O += P.V for its
+//    half of the 512 output channels with both operands in shared memory.
+//    The softmax runs in log2 units (exp2 on the SFU); attention is
+//    tolerance-checked, not bit-exact (design §6).
 // Raw buffers are handed over by named barriers (full / empty per buffer);
 // the consumers share the bf16 tile and P between barriers of their own.
 // Rules: docs/design.md §6; budget and designs tried: docs/perf/attention.md.
@@ -30,6 +35,7 @@
 #include "attention_items.cuh"
 #include "cp_async.cuh"
 #include "launch.cuh"
+#include "warp_mma.cuh"
 #include "wgmma.cuh"
 
 namespace dsv4 {
@@ -95,15 +101,22 @@ __device__ __forceinline__ void BarSync(int id, int n) {
 __device__ __forceinline__ void BarArrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
+// setmaxnreg exists on the arch-specific targets (sm_90a, sm_100a); elsewhere
+// every warp keeps the launch's share.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(__CUDA_ARCH_FEAT_SM100_ALL)
+#define DSV4_HAS_SETMAXNREG 1
+#else
+#define DSV4_HAS_SETMAXNREG 0
+#endif
 template <int kRegs>
 __device__ __forceinline__ void RegsDown() {
-#if DSV4_HAS_WGMMA
+#if DSV4_HAS_SETMAXNREG
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 #endif
 }
 template <int kRegs>
 __device__ __forceinline__ void RegsUp() {
-#if DSV4_HAS_WGMMA
+#if DSV4_HAS_SETMAXNREG
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 #endif
 }
@@ -321,6 +334,7 @@ __device__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l, int64
 // fragments: warp w, lane L own head rows 16w + L/4 and 16w + L/4 + 8,
 // columns 8j + 2(L % 4) + {0, 1}. With one split it writes the finished rows;
 // with several it leaves the CTA's partial in shared.part for AttnFinish.
+template <class Products>
 __device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int split, int64_t t,
                         int64_t h0, int c) {
   LoopShared& sm = shared.loop;
@@ -345,23 +359,17 @@ __device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int 
   for (int it = 0;; ++it) {
     const int rb = it & 1;
     BarSync(kRawFull + rb, kThreads);
-    wgmma::WaitAll();                           // the last tile's P.V (overlapped the wait)
+    Products::WaitPV();                         // the last tile's P.V (overlapped the wait)
     const int n = *reinterpret_cast<volatile int*>(&sm.raw_n[rb]);
     if (n < 0) break;
     BarSync(kConsumerSync, 256);                // both done with the tile before
     DequantTile(a, sm, rb, n, cw);
-    wgmma::FenceSharedForAsync();
+    Products::FenceShared();
     BarArrive(kRawEmpty + rb, kThreads);        // the raw buffer may be refilled
     BarSync(kConsumerSync, 256);                // the whole tile is written
     const uint64_t valid = n >= 64 ? ~0ull : (1ull << n) - 1ull;   // bit r: tile row r seen
     float sc[16];
-    wgmma::Fence();
-#pragma unroll
-    for (int k = 0; k < 32; ++k)
-      wgmma::MmaSS32(sc, wgmma::KMajor(sm.q, k),
-                     wgmma::KMajor(sm.tile + kHalfRows * 128 * c, k), k > 0);
-    wgmma::Commit();
-    wgmma::WaitAll();
+    Products::Scores(sc, sm.q, sm.tile + kHalfRows * 128 * c, warp);
     // element k: head row row0 + 8 ((k >> 1) & 1), tile row 32c + 8 (k >> 2) + 2 quad + (k & 1)
     const uint32_t vbits = static_cast<uint32_t>(valid >> (kHalfRows * c)) >> (2 * quad);
     float mx[2] = {-INFINITY, -INFINITY};
@@ -414,15 +422,11 @@ __device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int 
         for (int k = 0; k < 4; ++k) o[4 * j + k] *= rescale[k >> 1];
       }
     }
-    wgmma::FenceSharedForAsync();
+    Products::FenceShared();
     BarSync(kExchange, 256);                    // P is whole
-    wgmma::Fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma::MmaSS256(o, wgmma::KMajor(sm.p, kk), wgmma::NMajor(sm.tile, 4 * c, kk));
-    wgmma::Commit();
+    Products::IssuePV(o, sm.p, sm.tile, c, warp);
   }
-  wgmma::WaitAll();
+  Products::WaitPV();
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     den[i] += __shfl_xor_sync(kFull, den[i], 1);
@@ -460,9 +464,11 @@ __device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int 
 }
 
 // grid (T x splits, ceil(H / 64)), clusters of `splits` along x: CTA x is
-// split x % splits of token x / splits.
+// split x % splits of token x / splits. Products: wgmma::Products (sm_90a
+// only) or warp_mma::Products.
+template <class Products>
 __global__ void __launch_bounds__(kThreads, 1)
-    AttentionWgmmaKernel(AttentionArgs a, int splits) {
+    AttentionKernel(AttentionArgs a, int splits) {
   extern __shared__ uint8_t smem_raw[];
   Shared& shared = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                               ~static_cast<uintptr_t>(1023));
@@ -513,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t first_pos = AttnFirstPos(a, s, &sm.first_pos);
   const int64_t items = AttnCandidates(a, p);
   const int64_t c0 = items * split / splits, c1 = items * (split + 1) / splits;
-  wgmma::FenceSharedForAsync();                  // q, written above, is read by wgmma
+  Products::FenceShared();                       // q, written above, is read by the products
   __syncthreads();
   if (tid < 128) {
     RegsDown<kProducerRegs>();
@@ -521,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (splits > 1) RegsUp<kLaunchRegs>();       // back to the launch's share for the merge
   } else {
     RegsUp<kConsumerRegs>();
-    Consume(a, shared, splits, split, t, h0, tid < 256 ? 0 : 1);
+    Consume<Products>(a, shared, splits, split, t, h0, tid < 256 ? 0 : 1);
     if (splits > 1) RegsDown<kLaunchRegs>();
   }
   // No LetNextStart: a dependent kernel's CTAs would take the SMs this one
