@@ -7,8 +7,8 @@
 // keeps fp32 sums relative to its own running max; the merge rescales them
 // to the largest max and adds them in fp32 before step 5).
 //
-// Every kernel that uses it (attention_wgmma.cuh, attention_mma.cuh) writes
-// an AttnPartial and then calls AttnFinish with all of its threads.
+// The tensor-core kernel (attention_tensor_core.cuh, both of its builds)
+// writes an AttnPartial and then calls AttnFinish with all of its threads.
 #pragma once
 
 #include <cooperative_groups.h>

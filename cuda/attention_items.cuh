@@ -1,5 +1,5 @@
-// What a query token of dsv4_attention sees, decided on the device the same
-// way by both CUDA kernels (attention_simt.cuh, attention_wgmma.cuh): the
+// What a query token of dsv4_attention sees, decided on the device by the
+// CUDA kernel (attention_tensor_core.cuh) with the CPU handler's rules: the
 // token's own checks, the prefill chunk's first position per request, and,
 // for each candidate item (window position, chunk row, CSA pick or HCA
 // entry), whether it is seen and where its row lives. Rules: docs/design.md
@@ -23,39 +23,6 @@ __device__ __forceinline__ bool RowFinite(const uint16_t* row) {
   bool ok = true;
   for (int c = 0; c < kHeadDim; ++c) ok = ok && num::Bf16IsFinite(__ldg(row + c));
   return ok;
-}
-
-// One-entry pools in shared memory, one per warp: a prefill chunk row is
-// encoded into its warp's pool, so that it reads back as append stores it.
-template <int kWarpsN>
-struct ChunkScratch {
-  alignas(16) uint8_t nope[kWarpsN][kNopeDim * 2];   // fp8 codes, or bf16 for kBf16
-  alignas(16) uint16_t rope[kWarpsN][kRopeDim];
-  alignas(16) float scale[kWarpsN][2];
-
-  __device__ EntryPool Pool(int fmt, int warp) {
-    EntryPool one;
-    one.fmt = fmt;
-    one.nope = nope[warp];
-    one.rope = rope[warp];
-    one.scale = reinterpret_cast<uint8_t*>(scale[warp]);
-    return one;
-  }
-};
-
-// A chunk row as append stores it and a decode reads it back: the lane's two
-// chunks of it (`ulo`, `uhi`, bf16 bits), encoded through the warp's pool
-// `one`, decoded to *lo and *hi. All 32 lanes call.
-__device__ __forceinline__ void WarpChunkRowAsStored(const EntryPool& one,
-                                                     uint4 ulo, uint4 uhi, uint4* lo,
-                                                     uint4* hi) {
-  float flo[kChunk], fhi[kChunk];
-  UnpackBf16x8(ulo, flo);
-  UnpackBf16x8(uhi, fhi);
-  WarpEncodeEntry(one, 0, flo, fhi);
-  __syncwarp();
-  WarpStoreEntryChunks(one.fmt, WarpLoadEntry<false>(one, 0), lo, hi);
-  __syncwarp();
 }
 
 // The lane's two chunks of chunk row `r` of the call (bf16 bits).

@@ -145,16 +145,8 @@ struct EntryRegs {
   float slo, shi;
 };
 
-// A load through the read-only cache (global memory that no thread of the
-// kernel writes), or a plain one (`kReadOnly` false: shared memory, where
-// __ldg is not allowed).
-template <bool kReadOnly, typename T>
-__device__ __forceinline__ T LoadEntryPart(const T* ptr) {
-  if constexpr (kReadOnly) return __ldg(ptr);
-  else return *ptr;
-}
-
-template <bool kReadOnly = true>
+// Through the read-only cache: every pool it reads is one no thread of the
+// kernel writes.
 __device__ __forceinline__ EntryRegs WarpLoadEntry(const EntryPool& p, int64_t e) {
   const int lane = threadIdx.x & 31;
   const int jlo = lane, jhi = lane + 32;
@@ -165,26 +157,26 @@ __device__ __forceinline__ EntryRegs WarpLoadEntry(const EntryPool& p, int64_t e
   if (p.fmt == kBf16) {
     const uint4* nope =
         reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(p.nope) + e * kNopeDim);
-    r.lo = LoadEntryPart<kReadOnly>(nope + jlo);
-    r.hi = hi_nope ? LoadEntryPart<kReadOnly>(nope + jhi)
-                   : LoadEntryPart<kReadOnly>(rope + (jhi - kNopeChunks));
+    r.lo = __ldg(nope + jlo);
+    r.hi = hi_nope ? __ldg(nope + jhi)
+                   : __ldg(rope + (jhi - kNopeChunks));
     return r;
   }
   const uint2* nope = reinterpret_cast<const uint2*>(p.nope + e * kNopeDim);
-  const uint2 clo = LoadEntryPart<kReadOnly>(nope + jlo);
+  const uint2 clo = __ldg(nope + jlo);
   r.lo = make_uint4(clo.x, clo.y, 0, 0);
   if (hi_nope) {
-    const uint2 chi = LoadEntryPart<kReadOnly>(nope + jhi);
+    const uint2 chi = __ldg(nope + jhi);
     r.hi = make_uint4(chi.x, chi.y, 0, 0);
   } else {
-    r.hi = LoadEntryPart<kReadOnly>(rope + (jhi - kNopeChunks));
+    r.hi = __ldg(rope + (jhi - kNopeChunks));
   }
   if (p.fmt == kDsFp8) {
-    r.slo = num::E8m0ToF32(LoadEntryPart<kReadOnly>(p.scale + e * kNopeTiles + (jlo >> 3)));
+    r.slo = num::E8m0ToF32(__ldg(p.scale + e * kNopeTiles + (jlo >> 3)));
     if (hi_nope)
-      r.shi = num::E8m0ToF32(LoadEntryPart<kReadOnly>(p.scale + e * kNopeTiles + (jhi >> 3)));
+      r.shi = num::E8m0ToF32(__ldg(p.scale + e * kNopeTiles + (jhi >> 3)));
   } else {
-    r.slo = r.shi = LoadEntryPart<kReadOnly>(reinterpret_cast<const float*>(p.scale) + e);
+    r.slo = r.shi = __ldg(reinterpret_cast<const float*>(p.scale) + e);
   }
   return r;
 }
@@ -209,13 +201,6 @@ __device__ __forceinline__ void WarpStoreEntry(int fmt, const EntryRegs& r, uint
   const int lane = threadIdx.x & 31;
   uint4* dst = reinterpret_cast<uint4*>(out);
   WarpStoreEntryChunks(fmt, r, dst + lane, dst + lane + 32);
-}
-
-// Writes entry e of `p` as 512 bf16 to `out` (16-byte aligned). All 32 lanes
-// call. `kReadOnly` false for a pool in shared memory (see LoadEntryPart).
-template <bool kReadOnly = true>
-__device__ __forceinline__ void WarpDecodeEntry(const EntryPool& p, int64_t e, uint16_t* out) {
-  WarpStoreEntry(p.fmt, WarpLoadEntry<kReadOnly>(p, e), out);
 }
 
 // A zero row of 512 bf16.
