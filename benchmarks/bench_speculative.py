@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax as dj  # noqa: E402
+from dsv4_jax.arguments import output_path  # noqa: E402
 from dsv4_jax.bench.device_timeline import kernel_events, timeline_summary  # noqa: E402
 from dsv4_jax.bench.filled_state import filled_state  # noqa: E402
 
@@ -261,7 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=None, help="query heads (V4-Flash: 64)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--json", type=output_path, help="write the rows to this file")
     args = ap.parse_args(argv)
     quick = args.quick
     args.model = args.model or ("tiny" if quick else "flash")

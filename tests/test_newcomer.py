@@ -100,9 +100,12 @@ def test_bench_output_paths_are_checked_before_any_work(capsys, tmp_path):
         assert line.endswith("x.json: not writable here")
 
 
-@pytest.mark.parametrize("script", ["bench_decode_step", "bench_attention", "bench_indexer",
-                                    "bench_prefill", "bench_request_state",
-                                    "bench_multiprocess", "bench_append_vs_original"])
+BENCHMARKS = sorted(p[:-3] for p in os.listdir(os.path.join(os.path.dirname(__file__), "..",
+                                                             "benchmarks"))
+                    if p.startswith("bench_") and p.endswith(".py"))
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
 def test_every_benchmark_checks_its_json_path_first(capsys, script):
     main_of = importlib.import_module(script).main
     with pytest.raises(SystemExit) as e:
