@@ -174,9 +174,18 @@ def _begin_body(st: CacheState, meta: StepMeta, drafts: int, impl: str):
     # the verify pass comes after the copy in the program: without that data
     # path XLA would copy every pool the copy reads to keep the read safe.
     data = out[-1]
-    verified = data.at[:meta.num_tokens].set(
-        jnp.where((rank >= 0) & (rank <= drafts), meta.token_slot, -1))
+    verified = _with_span(data, 0, jnp.where((rank >= 0) & (rank <= drafts), meta.token_slot, -1))
     return ids, tuple(x[None] for x in out[:-1]), verified
+
+
+def _with_span(data, start: int, values):
+    """`data` with `values` at [start, start + len(values)), as a select: an
+    update slice into an FFI call's result (as `data` is in verify_begin) is
+    what XLA's GPU dynamic-slice fusion fails to compile."""
+    n = data.shape[0]
+    padded = jnp.pad(values, (start, n - start - values.shape[0]))
+    at = jnp.arange(n)
+    return jnp.where((at >= start) & (at < start + values.shape[0]), padded, data)
 
 
 def _commit_body(st: CacheState, meta: StepMeta, ids, rows, accepted, drafts: int, impl: str):
@@ -217,8 +226,8 @@ def _commit_body(st: CacheState, meta: StepMeta, ids, rows, accepted, drafts: in
     lengths = jnp.where(has, meta.lengths - count + keep, meta.lengths)
     data = meta.data
     T, start_len, start_nb = meta.num_tokens, 2 * meta.num_tokens, 2 * meta.num_tokens + R
-    data = data.at[:T].set(kept_slot).at[start_len:start_len + R].set(lengths)
-    data = data.at[start_nb:start_nb + kept_nb.shape[0]].set(kept_nb)
+    data = _with_span(_with_span(data, 0, kept_slot), start_len, lengths)
+    data = _with_span(data, start_nb, kept_nb)
     return st, data
 
 

@@ -3,6 +3,7 @@ target in place, and trace-time argument checks."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Sequence
 
@@ -86,11 +87,30 @@ def ffi_call(target: str, args: Sequence, out_types: Sequence, aliases: dict, **
     updated into in place. Integer attributes are passed as int64.
 
     Under `jax.vmap` the call runs once per element of the batch, in a loop
-    (vmap_method "sequential"): the handlers take one state and one step's
+    (`_one_call_per_element`): the handlers take one state and one step's
     operands, so a batch is that many calls, each exactly the unbatched op."""
-    call = jax.ffi.ffi_call(target, list(out_types), input_output_aliases=aliases,
-                            vmap_method="sequential")
-    return list(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
+    call = jax.ffi.ffi_call(target, list(out_types), input_output_aliases=aliases)
+    kw = {k: np.int64(v) for k, v in attrs.items()}
+    mapped = jax.custom_batching.custom_vmap(lambda *a: tuple(call(*a, **kw)))
+    mapped.def_vmap(functools.partial(_one_call_per_element, mapped))
+    return list(mapped(*args))
+
+
+def _one_call_per_element(fn, axis_size, in_batched, *args):
+    """The batching rule of ffi_call: `fn` once per element, in a loop. Each
+    element's operands and results pass an optimization barrier, so the call
+    never sees a slice of the batch: XLA's GPU dynamic-slice fusion would
+    otherwise hand a handler a slice of the batched output as the result
+    of an operand it updates in place, and that result does not start as the
+    operand (the handlers write only what changes)."""
+    batched = [a for a, b in zip(args, in_batched) if b]
+
+    def one(elements):
+        it = iter(elements)
+        full = [next(it) if b else a for a, b in zip(args, in_batched)]
+        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(full)))
+    outs = jax.lax.map(one, batched)
+    return tuple(outs), tuple([True] * len(outs))
 
 
 def errors_alias(arg_index: int, result_index: int, return_state: bool) -> dict:
