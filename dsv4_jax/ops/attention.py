@@ -36,10 +36,10 @@ import numpy as np
 
 from .. import config as C
 from .. import reference
-from ..sharded_state import run_sharded
 from ..state import CacheState, check_state
 from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
-from ._layer import layer_operand, pick_layer, traced_layer
+from ._layer import layer_operand
+from ._shards import per_shard
 
 _I32 = jnp.int32
 KIND_CODE = {C.SWA: 0, C.CSA: 1, C.HCA: 2}
@@ -128,24 +128,13 @@ def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
     cfg = state.config
     kind = _layer_kind(cfg, layer, kind)
     _check(cfg, kind, q, token_slot, token_pos, sink, topk, chunk_kv, rope_inv_freq)
-    if cfg.sharded:
-        rows = [q, token_slot, token_pos] + [x for x in (topk, chunk_kv) if x is not None]
-        reps = [sink] + ([rope_inv_freq] if rope_inv_freq is not None else [])
-        lay = traced_layer(layer)
-        has_topk, has_chunk = topk is not None, chunk_kv is not None
-
-        def body(st, *args):
-            it = iter(args)
-            q_, s_, p_ = next(it), next(it), next(it)
-            tk = next(it) if has_topk else None
-            ck = next(it) if has_chunk else None
-            sk = next(it)
-            fr = next(it) if rope_inv_freq is not None else None
-            return attention(st, pick_layer(layer, list(it)), q_, s_, p_, sink=sk, topk=tk,
-                             chunk_kv=ck, rope_inv_freq=fr, kind=kind, impl=impl,
-                             kernel=kernel, return_state=return_state)
+    if cfg.sharded:   # per shard: the per-token operands split, sink and frequencies whole
         outs = ("rows", "rows") + (("state",) if return_state else ())
-        return run_sharded(body, state, rows, reps + lay, outs)
+        return per_shard(attention, state, outs, layer=layer,
+                         rows=dict(q=q, token_slot=token_slot, token_pos=token_pos, topk=topk,
+                                   chunk_kv=chunk_kv),
+                         whole=dict(sink=sink, rope_inv_freq=rope_inv_freq), kind=kind,
+                         impl=impl, kernel=kernel, return_state=return_state)
 
     layer_idx = layer_operand(cfg, layer, None)
     if isinstance(layer, (int, np.integer)):
