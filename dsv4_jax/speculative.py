@@ -41,7 +41,7 @@ from .ops import copy_rows
 from .ops._dispatch import check_array
 from .ops._shards import per_shard
 from .ops.flush import flush
-from .ops.write_layer import _check_kind
+from .ops.write_layer import compressor_operands_given
 from .params import CompressorParams
 from .state import CacheState, check_state
 
@@ -305,13 +305,9 @@ def verify_layer(state: CacheState, layer, spec: VerifyStep, comp_kv: jax.Array 
     if not isinstance(spec, VerifyStep):
         raise ValueError(f"spec: expected the VerifyStep of verify_begin, got "
                          f"{type(spec).__name__}")
-    compressed = any(x is not None for x in (comp_kv, comp_score, params, index_kv, index_score))
-    complete = comp_kv is not None and comp_score is not None and params is not None
-    _check_kind(state.config, layer, compressed, complete)
-    if not compressed:
+    if not compressor_operands_given(state.config, layer, comp_kv, comp_score, params, index_kv,
+                                     index_score):
         return state
-    if not complete:
-        raise ValueError("comp_kv: a compressed layer needs comp_kv, comp_score and params")
     # flush counts into a scratch row: the counts of rows later rejected must
     # leave no trace, and write_layer counts the kept ones when it writes them
     scratch = dataclasses.replace(state, errors=jnp.zeros_like(state.errors))

@@ -54,18 +54,25 @@ from .flush import check_flush_args, flush_ffi_operands
 TARGETS = {C.CSA: "dsv4_write_layer_csa", C.HCA: "dsv4_write_layer_hca"}
 
 
-def _check_kind(cfg, layer, compressed: bool, complete: bool) -> None:
-    """A static layer's kind against the operands given."""
-    if not isinstance(layer, int) or isinstance(layer, bool):
-        return
-    cfg.kind_index(layer)   # ValueError for an out-of-range layer
-    kind = cfg.layer_kinds[layer]
-    if kind == C.SWA and compressed:
-        raise ValueError(f"comp_kv: layer {layer} is SWA and has no compressor; "
-                         f"pass no comp_kv, comp_score, params, index_kv or index_score")
-    if kind != C.SWA and not complete:
-        raise ValueError(f"comp_kv: layer {layer} is {kind.upper()}: it needs comp_kv, "
-                         f"comp_score and params")
+def compressor_operands_given(cfg, layer, comp_kv, comp_score, params, index_kv,
+                              index_score) -> bool:
+    """Whether a layer's write has compressor operands (False: the window
+    only). ValueError for some given without the rest, and for a static
+    layer whose kind disagrees (SWA with any of them, CSA or HCA without)."""
+    compressed = any(x is not None for x in (comp_kv, comp_score, params, index_kv, index_score))
+    complete = comp_kv is not None and comp_score is not None and params is not None
+    if isinstance(layer, int) and not isinstance(layer, bool):
+        cfg.kind_index(layer)   # ValueError for an out-of-range layer
+        kind = cfg.layer_kinds[layer]
+        if kind == C.SWA and compressed:
+            raise ValueError(f"comp_kv: layer {layer} is SWA and has no compressor; "
+                             f"pass no comp_kv, comp_score, params, index_kv or index_score")
+        if kind != C.SWA and not complete:
+            raise ValueError(f"comp_kv: layer {layer} is {kind.upper()}: it needs comp_kv, "
+                             f"comp_score and params")
+    if compressed and not complete:
+        raise ValueError("comp_kv: a compressed layer needs comp_kv, comp_score and params")
+    return compressed
 
 
 def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
@@ -86,13 +93,9 @@ def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
     row expected at its last position, dropped or not."""
     check_append_args(state, meta, kv)
     cfg = state.config
-    compressed = any(x is not None for x in (comp_kv, comp_score, params, index_kv, index_score))
-    complete = comp_kv is not None and comp_score is not None and params is not None
-    _check_kind(cfg, layer, compressed, complete)
-    if not compressed:
+    if not compressor_operands_given(cfg, layer, comp_kv, comp_score, params, index_kv,
+                                     index_score):
         return append(state, layer, meta, kv, impl=impl)
-    if not complete:
-        raise ValueError("comp_kv: a compressed layer needs comp_kv, comp_score and params")
     kind, comp_kv, comp_score, index_kv, index_score = check_flush_args(
         state, layer, meta, comp_kv, comp_score, params, index_kv, index_score, prefix="comp_")
     if cfg.sharded:   # every per-token operand split by shard, params whole
