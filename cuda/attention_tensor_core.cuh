@@ -4,7 +4,7 @@
 // shared memory at the end (attention_finish.cuh), so no partial leaves the
 // SMs and no second kernel runs. It is built twice, on the two products a
 // consumer computes (S = Q.K^T and O += P.V): Hopper's warpgroup wgmma
-// (WgmmaProducts, sm_90a) and the warp-level mma.sync every tensor-core GPU
+// (wgmma::Products, sm_90a) and the warp-level mma.sync every tensor-core GPU
 // since sm_80 has (warp_mma::Products: Blackwell's path, which the H100 also
 // runs under the tests). Three warpgroups:
 //  - the producer decides the split's items 128 at a time (attention_items.cuh,
