@@ -48,64 +48,46 @@ __device__ __forceinline__ uint32_t PackBf16x2Rn(float lo, float hi) {
   return r;
 }
 
-// Writes one output row from a warp whose lane holds the fp32 numerators of
-// its two chunks (acc[0..7]: chunk lane, acc[8..15]: chunk lane + 32, the
-// layout of bf16_chunks.cuh): bf16(acc * inv_den), the inverse RoPE of the
-// lane's RoPE pairs at token t's position, packed.
-__device__ __forceinline__ void WarpWriteAttnRow(const AttentionArgs& a, int64_t t, uint4* out,
-                                                 const float* acc, float inv) {
+// The cos and sin of each RoPE pair's angle at token t's position
+// (fl32(float(pos) * inv_freq[k]), design §6), for AttnFinish: computed once
+// a token by one warp, not once a head.
+__device__ __forceinline__ void WarpRopeTable(const AttentionArgs& a, int64_t t, float2* rot) {
   const int lane = threadIdx.x & 31;
-  float y[2 * kChunk];
+  if (a.inv_freq == nullptr || lane >= kRopeDim / 2) return;
+  float c, s;
+  sincosf(static_cast<float>(__ldg(a.pos + t)) * __ldg(a.inv_freq + lane), &s, &c);
+  rot[lane] = make_float2(c, s);
+}
+
+// Writes one output row from a warp whose lane holds the fp32 numerators of
+// channels 4 (lane + 32 k) .. + 3, k = 0..3, in acc[4 k ..]: bf16(acc * inv),
+// the RoPE channels rotated back by `rot` (WarpRopeTable; nullptr: none).
+__device__ __forceinline__ void WarpWriteAttnRow(const float2* rot, uint2* out, const float* acc,
+                                                 float inv) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int k = 0; k < 2 * kChunk; ++k) y[k] = num::RoundBf16(acc[k] * inv);
-  if (a.inv_freq != nullptr && lane + 32 >= kNopeChunks) {   // the lane's RoPE pairs
-    const float pos = static_cast<float>(__ldg(a.pos + t));
+  for (int k = 0; k < 4; ++k) {
+    float y[4];
 #pragma unroll
-    for (int k = kChunk; k < 2 * kChunk; k += 2) {
-      const int pair = (kChunk * (lane + 32) + k - kChunk - kNopeDim) / 2;
-      InverseRopePair(y[k], y[k + 1], pos * __ldg(a.inv_freq + pair), &y[k], &y[k + 1]);
+    for (int j = 0; j < 4; ++j) y[j] = num::RoundBf16(acc[4 * k + j] * inv);
+    const int ch = 4 * (lane + 32 * k);
+    if (k == 3 && rot != nullptr && ch >= kNopeDim) {
+      const float4 cs = *reinterpret_cast<const float4*>(rot + (ch - kNopeDim) / 2);
+      RotatePairBack(y[0], y[1], cs.x, cs.y, &y[0], &y[1]);
+      RotatePairBack(y[2], y[3], cs.z, cs.w, &y[2], &y[3]);
     }
+    out[lane + 32 * k] = make_uint2(PackBf16x2Rn(y[0], y[1]), PackBf16x2Rn(y[2], y[3]));
   }
-  uint32_t w[2 * kChunk / 2];
-#pragma unroll
-  for (int k = 0; k < kChunk; ++k) w[k] = PackBf16x2Rn(y[2 * k], y[2 * k + 1]);
-  out[lane] = make_uint4(w[0], w[1], w[2], w[3]);
-  out[lane + 32] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-// Writes head h of token t from one m64nNk16 accumulator fragment row
-// (elements o[4j + 2i + b], output channel col0 + 8j + b, j = 0..31) of a
-// CTA that saw all of the token's rows: bf16(o / den), the inverse RoPE on
-// channels 448.., and lse (by the thread that `writes_lse`).
-__device__ __forceinline__ void AttnFinishFragmentRow(const AttentionArgs& a, int64_t t,
-                                                      int64_t h, float m, float den,
-                                                      const float (&o)[128], int i, int col0,
-                                                      bool writes_lse) {
-  if (h >= a.H) return;
-  uint16_t* out = a.out + (t * a.H + h) * kHeadDim;
-  const bool empty = m == -INFINITY;            // sees nothing and has no sink
-  const float inv = empty ? 0.f : 1.f / den;
-  const float pos = static_cast<float>(__ldg(a.pos + t));
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    const int col = col0 + 8 * j;
-    float y0 = num::RoundBf16(o[4 * j + 2 * i] * inv);
-    float y1 = num::RoundBf16(o[4 * j + 2 * i + 1] * inv);
-    if (a.inv_freq != nullptr && col >= kNopeDim)
-      InverseRopePair(y0, y1, pos * __ldg(a.inv_freq + (col - kNopeDim) / 2), &y0, &y1);
-    *reinterpret_cast<uint32_t*>(out + col) = PackBf16x2Rn(y0, y1);
-  }
-  if (writes_lse) a.lse[t * a.H + h] = empty ? -INFINITY : (m + __log2f(den)) * kLn2;
-}
-
-// Merges and writes the partials of the `splits` (>= 2) CTAs of this
-// cluster for token t, heads h0 .. h0 + 63. Every thread of the CTA calls
-// it, after its partial is complete in `part` (the call's first cluster
-// barrier orders those writes). Rank r of the cluster finishes heads
+// Merges and writes the partials of the `splits` CTAs of this cluster (1:
+// this CTA alone, no cluster) for token t, heads h0 .. h0 + 63. Every thread
+// of the CTA calls it, after its partial is complete in `part` (the call's
+// first barrier orders those writes). Rank r of the cluster finishes heads
 // [64 r / splits, 64 (r + 1) / splits), a warp a head, reading every rank's
 // partial row.
-__device__ __forceinline__ void AttnFinish(const AttentionArgs& a, AttnPartial& part, int splits,
-                                           int64_t t, int64_t h0) {
+__device__ __forceinline__ void AttnFinish(const AttentionArgs& a, AttnPartial& part,
+                                           const float2* rot, int splits, int64_t t, int64_t h0) {
   namespace cg = cooperative_groups;
   const bool clustered = splits > 1;
   if (clustered) cg::this_cluster().sync();
@@ -131,20 +113,21 @@ __device__ __forceinline__ void AttnFinish(const AttentionArgs& a, AttnPartial& 
       float den = di * f;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) den += __shfl_xor_sync(kFull, den, off);
-      uint4* out = reinterpret_cast<uint4*>(a.out + (t * a.H + h) * kHeadDim);
+      uint2* out = reinterpret_cast<uint2*>(a.out + (t * a.H + h) * kHeadDim);
       if (big == -INFINITY) {            // sees nothing and has no sink
-        out[lane] = out[lane + 32] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) out[lane + 32 * k] = make_uint2(0, 0);
         if (lane == 0) a.lse[t * a.H + h] = -INFINITY;
         continue;
       }
-      float acc[2 * kChunk] = {};
+      float acc[16] = {};
 #pragma unroll 4
       for (int i = 0; i < splits; ++i) {
         const float fi = __shfl_sync(kFull, f, i);
         const AttnPartial* p = clustered ? cg::this_cluster().map_shared_rank(mine, i) : mine;
-        const float4* lo = reinterpret_cast<const float4*>(&p->o[r][kChunk * lane]);
-        const float4* hi = reinterpret_cast<const float4*>(&p->o[r][kChunk * (lane + 32)]);
-        const float4 v[4] = {lo[0], lo[1], hi[0], hi[1]};
+        // whole 512-byte runs a load: no bank is read twice
+        const float4* row = reinterpret_cast<const float4*>(&p->o[r][0]);
+        const float4 v[4] = {row[lane], row[lane + 32], row[lane + 64], row[lane + 96]};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           acc[4 * k + 0] += v[k].x * fi;
@@ -153,7 +136,7 @@ __device__ __forceinline__ void AttnFinish(const AttentionArgs& a, AttnPartial& 
           acc[4 * k + 3] += v[k].w * fi;
         }
       }
-      WarpWriteAttnRow(a, t, out, acc, 1.f / den);
+      WarpWriteAttnRow(rot, out, acc, 1.f / den);
       if (lane == 0) a.lse[t * a.H + h] = (big + __log2f(den)) * kLn2;
     }
   }

@@ -85,6 +85,7 @@ struct LoopShared {
   float row_max[2][kHeads];                     // each consumer's tile maxima (log2 units)
   int warp_count[4];
   int first_pos;
+  float2 rot[kRopeDim / 2];                     // the token's RoPE cos, sin (the finish's)
 };
 union Shared {
   LoopShared loop;
@@ -332,8 +333,11 @@ __device__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l, int64
 // A consumer warpgroup (c = 0, 1: S columns 32c .. 32c + 31 of each tile,
 // output channels 256c .. 256c + 255). Thread layout of the m64nNk16
 // fragments: warp w, lane L own head rows 16w + L/4 and 16w + L/4 + 8,
-// columns 8j + 2(L % 4) + {0, 1}. With one split it writes the finished rows;
-// with several it leaves the CTA's partial in shared.part for AttnFinish.
+// columns 8j + 2(L % 4) + {0, 1}. It leaves the CTA's partial in shared.part
+// for AttnFinish, also with one split: a finish from the registers is unrolled
+// over every fragment element (about half the kernel's code, each CTA running
+// it once), where the finish through the partial is one short loop and no
+// slower.
 template <class Products>
 __device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int split, int64_t t,
                         int64_t h0, int c) {
@@ -432,21 +436,6 @@ __device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int 
     den[i] += __shfl_xor_sync(kFull, den[i], 1);
     den[i] += __shfl_xor_sync(kFull, den[i], 2);
   }
-  if (splits == 1) {                            // no merge: finish from the registers
-    if (quad == 0) {
-      sm.row_max[c][row0] = den[0];               // the other half's denominators
-      sm.row_max[c][row0 + 8] = den[1];
-    }
-    BarSync(kExchange, 256);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = row0 + 8 * i;
-      const int64_t h = h0 + r;
-      const float d = den[i] + sm.row_max[1 - c][r];
-      AttnFinishFragmentRow(a, t, h, m[i], d, o, i, 256 * c + 2 * quad, quad == 0 && c == 0);
-    }
-    return;
-  }
   BarSync(kConsumerSync, 256);                  // both done reading q, the tile and P
   AttnPartial& part = shared.part;
 #pragma unroll
@@ -524,15 +513,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < 128) {
     RegsDown<kProducerRegs>();
     Produce(a, sm, l, lk, t, s, p, first_pos, c0, c1, blockIdx.y == 0);
-    if (splits > 1) RegsUp<kLaunchRegs>();       // back to the launch's share for the merge
+    if (tid < 32) WarpRopeTable(a, t, sm.rot);   // while the consumers end
+    RegsUp<kLaunchRegs>();                       // back to the launch's share for the finish
   } else {
     RegsUp<kConsumerRegs>();
     Consume<Products>(a, shared, splits, split, t, h0, tid < 256 ? 0 : 1);
-    if (splits > 1) RegsDown<kLaunchRegs>();
+    RegsDown<kLaunchRegs>();
   }
   // No LetNextStart: a dependent kernel's CTAs would take the SMs this one
   // leaves and wait on them, which overlaps nothing at one CTA an SM.
-  if (splits > 1) AttnFinish(a, shared.part, splits, t, h0);
+  AttnFinish(a, shared.part, a.inv_freq != nullptr ? sm.rot : nullptr, splits, t, h0);
 }
 
 }  // namespace tc

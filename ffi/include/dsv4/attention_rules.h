@@ -37,10 +37,14 @@ DSV4_HD int64_t HcaVisible(int64_t t, int64_t limit) {
 
 // The inverse rotation of one RoPE pair of the output at angle
 // fl32(float(t) * inv_freq[k]): (a, b) -> (a cos + b sin, b cos - a sin), fp32.
-DSV4_HD void InverseRopePair(float a, float b, float angle, float* y0, float* y1) {
-  float c = cosf(angle), s = sinf(angle);
+// (The CUDA kernel computes each pair's cos and sin once a token and rotates
+// every head with RotatePairBack.)
+DSV4_HD void RotatePairBack(float a, float b, float c, float s, float* y0, float* y1) {
   *y0 = a * c + b * s;
   *y1 = b * c - a * s;
+}
+DSV4_HD void InverseRopePair(float a, float b, float angle, float* y0, float* y1) {
+  RotatePairBack(a, b, cosf(angle), sinf(angle), y0, y1);
 }
 
 // Output channels of one head from its fp32 numerator `acc[512]` and
