@@ -129,7 +129,9 @@ __device__ __forceinline__ const EntryPool& SourcePool(const AttentionArgs& a, u
   return src == kFromRing ? a.ring : src == kFromChunk ? a.chunk : a.pool;
 }
 __device__ __forceinline__ int64_t PoolEntries(const AttentionArgs& a, uint8_t src) {
-  return src == kFromRing ? a.L * a.R * kWindow : src == kFromChunk ? a.T : a.Lk * a.N * a.per_block;
+  return src == kFromRing    ? a.L * a.R * kWindow
+         : src == kFromChunk ? a.T
+                             : a.Lk * a.N * a.per_block;
 }
 
 // Starts fetching list rows 0..n-1 into staging buffer rb (fp8 pools: codes,
