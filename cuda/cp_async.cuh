@@ -9,6 +9,8 @@
 namespace dsv4 {
 namespace cuda {
 
+// A shared-memory pointer as the 32-bit shared-window address that cp.async,
+// ldmatrix and wgmma's descriptors take.
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

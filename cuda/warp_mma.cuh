@@ -10,15 +10,12 @@
 
 #include <cstdint>
 
+#include "cp_async.cuh"
 #include "wgmma.cuh"
 
 namespace dsv4 {
 namespace cuda {
 namespace warp_mma {
-
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // Four 8 x 8 bf16 matrices, lane L giving the row address of matrix L / 8;
 // register k holds matrix k, lane L its row L / 4, columns 2 (L % 4) + {0, 1}

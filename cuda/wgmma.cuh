@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "cp_async.cuh"
+
 namespace dsv4 {
 namespace cuda {
 namespace wgmma {
@@ -33,7 +35,7 @@ __host__ __device__ constexpr uint32_t ChunkOffset(int r, int c) {
 // A shared-memory matrix descriptor: start address, leading and stride byte
 // offsets (all >> 4), 128-byte swizzle (mode 1 in bits 62-63).
 __device__ __forceinline__ uint64_t Descriptor(const void* smem, uint32_t lead, uint32_t stride) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t addr = SharedAddress(smem);
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>((lead >> 4) & 0x3FFF) << 16) |
          (static_cast<uint64_t>((stride >> 4) & 0x3FFF) << 32) | (1ull << 62);
