@@ -132,16 +132,17 @@ DSV4_HD bool AttnCompressedItem(const AttentionArgs& a, int64_t lk, int64_t t, i
 // comes first): one list for both handlers and ValidateAttention, and the
 // names to pass them on with.
 #define DSV4_ATTENTION_OPERANDS                                                              \
-  int64_t kv_format, int64_t kind, int64_t kernel, ffi::AnyBuffer layer, ffi::AnyBuffer comp_layer,          \
-      ffi::AnyBuffer q, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,                 \
+  int64_t kv_format, int64_t kind, int64_t kernel, ffi::AnyBuffer layer,                     \
+      ffi::AnyBuffer comp_layer, ffi::AnyBuffer q, ffi::AnyBuffer token_slot,                \
+      ffi::AnyBuffer token_pos,                                                              \
       ffi::AnyBuffer topk, ffi::AnyBuffer chunk_kv, ffi::AnyBuffer sink,                     \
       ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,           \
       ffi::AnyBuffer errors_in, ffi::RemainingArgs entry_args,                               \
       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,                      \
       ffi::Result<ffi::AnyBuffer> errors, ffi::Result<ffi::AnyBuffer> scratch
 #define DSV4_ATTENTION_OPERAND_NAMES                                                         \
-  kv_format, kind, kernel, layer, comp_layer, q, token_slot, token_pos, topk, chunk_kv, sink,        \
-      inv_freq, block_table, swa_pos, errors_in, entry_args, out, lse, errors, scratch
+  kv_format, kind, kernel, layer, comp_layer, q, token_slot, token_pos, topk, chunk_kv,      \
+      sink, inv_freq, block_table, swa_pos, errors_in, entry_args, out, lse, errors, scratch
 
 inline ffi::Error ValidateAttention(DSV4_ATTENTION_OPERANDS, AttentionArgs* result) {
   AttentionArgs a;
