@@ -9,23 +9,23 @@
 // runs under the tests). Three warpgroups:
 //  - the producer decides the split's items 128 at a time (attention_items.cuh,
 //    counting bad indices and missing blocks once), compacts the seen ones in
-//    item order into tiles of 64 rows and fetches each tile's raw fp8 rows
-//    (codes, RoPE, the words holding the scales) with cp.async into one of two
-//    staging buffers, a tile ahead of the consumers. It holds no row in
-//    registers, so its 72 registers suffice.
-//  - the two consumer warpgroups (8 warps) dequantize a staged tile to bf16
-//    into the 128-byte-swizzled slabs both products read (bf16 pools are read
-//    from global memory here; a prefill chunk's rows come encoded as append
-//    stores them by AttentionChunkEncodeKernel, non-finite ones unseen).
-//    Consumer c then computes S for its half of the tile's rows (64 heads x
-//    32 rows, K-dim 512), so S is computed once; the halves exchange their
-//    row maxima through shared memory, each writes its bf16 weights (the
-//    design's step 4) into the shared P tile, and each runs O += P.V for its
-//    half of the 512 output channels with both operands in shared memory.
-//    The softmax runs in log2 units (exp2 on the SFU); attention is
-//    tolerance-checked, not bit-exact (design §6).
-// Raw buffers are handed over by named barriers (full / empty per buffer);
-// the consumers share the bf16 tile and P between barriers of their own.
+//    item order into tiles of 64 rows and dequantizes each tile straight from
+//    global memory into one of two bf16 tiles, in the 128-byte-swizzled slabs
+//    both products read: four lanes a row, all of a row's loads in flight
+//    before its first store, so the fetch costs a lane two round trips a tile
+//    and the consumers' products of the other tile run meanwhile. A prefill
+//    chunk's rows come encoded as append stores them
+//    (AttentionChunkEncodeKernel), non-finite ones unseen.
+//  - the two consumer warpgroups (8 warps) only run the products: consumer c
+//    computes S for its half of the tile's rows (64 heads x 32 rows, K-dim
+//    512), so S is computed once; the halves exchange their row maxima
+//    through shared memory, each writes its bf16 weights (the design's step
+//    4) into the shared P tile, and each runs O += P.V for its half of the 512
+//    output channels with both operands in shared memory. The softmax runs in
+//    log2 units (exp2 on the SFU); attention is tolerance-checked, not
+//    bit-exact (design §6).
+// The bf16 tiles are handed over by named barriers (full / empty per tile);
+// the consumers share P between barriers of their own.
 // Rules: docs/design.md §6; budget and designs tried: docs/perf/attention.md.
 #pragma once
 
@@ -48,39 +48,35 @@ constexpr int kTileRows = 64;      // rows a tile: S's N, P.V's K
 constexpr int kHalfRows = kTileRows / 2;   // S columns a consumer computes
 constexpr int kRound = 128;        // items the producer decides at a time
 constexpr int kListCap = kTileRows + kRound;
-constexpr int kBatch = 2;          // bf16 pools: rows a consumer warp has in flight
-constexpr int kRawRow = kNopeDim + 2 * kRopeDim;   // staged fp8 row: codes, then bf16 RoPE
-constexpr int kRawChunks = kRawRow / 16;           // its 16-byte copies
+constexpr int kRowLanes = 4;       // producer lanes that load and dequantize a row
+constexpr int kFp8Loads = kNopeDim / 16 / kRowLanes;    // a lane's 16-byte code loads a row
+constexpr int kRopeLoads = kRopeDim * 2 / 16 / kRowLanes;   // and RoPE loads
 constexpr int kMaxSplits = 16;     // a cluster's CTAs (16 needs the non-portable size)
 // setmaxnreg moves registers from the producer to the consumers within what
-// the launch gave the CTA (384 x 168): 128 x 72 + 256 x 216 = 384 x 168. An
-// increase past it would wait forever; below 216 a consumer's wgmma
-// accumulators do not fit and ptxas serializes the wgmmas (warning C7512).
-constexpr int kProducerRegs = 72;
-constexpr int kConsumerRegs = 216;
+// the launch gave the CTA (384 x 168): 128 x 120 + 256 x 192 = 384 x 168. An
+// increase past it would wait forever. A producer lane holds one row's part
+// (40 registers) at a time: holding both of its rows at once took 136 (with
+// spills), left the consumers 184 and slowed the kernel (docs/perf/attention.md).
+constexpr int kProducerRegs = 120;
+constexpr int kConsumerRegs = 192;
 constexpr int kLaunchRegs = 168;
 
 // Named barriers (0 is __syncthreads).
-// Raw buffer b: kRawFull + b (fetched, producer -> consumers), kRawEmpty + b
-// (dequantized, consumers -> producer); kConsumerSync: the two consumer
-// warpgroups around their shared bf16 tile; kExchange: their row maxima, then
-// their halves of P.
-enum Barrier : int { kProducerSync = 1, kRawFull = 2, kRawEmpty = 4, kConsumerSync = 6,
+// bf16 tile b: kTileFull + b (dequantized, producer -> consumers), kTileEmpty
+// + b (both products done with it, consumers -> producer); kConsumerSync: the
+// two consumer warpgroups before the partial overlays the tiles; kExchange:
+// their row maxima, then their halves of P.
+enum Barrier : int { kProducerSync = 1, kTileFull = 2, kTileEmpty = 4, kConsumerSync = 6,
                      kExchange = 7 };
 
 // The shared memory of the main loop; the finish reuses its first bytes for
 // the partial (AttnPartial, attention_finish.cuh) once the loop is over.
 struct LoopShared {
-  uint8_t q[8 * wgmma::kSlabBytes];            // the CTA's 64 heads, slabs
-  uint8_t tile[8 * wgmma::kSlabBytes];          // the bf16 tile of the consumers
-  uint8_t raw[2][kTileRows * kRawRow];          // fp8 rows fetched for the next tiles
+  uint8_t q[8 * wgmma::kSlabBytes];             // the CTA's 64 heads, slabs
+  uint8_t tile[2][8 * wgmma::kSlabBytes];       // bf16 tiles: one dequantized while one is read
   uint8_t p[wgmma::kSlabBytes];                 // P: 64 heads x 64 tile rows, bf16
-  uint32_t raw_scale[2][kTileRows][4];          // words holding a row's scales
-  int64_t raw_e[2][kTileRows];                  // each staged row's entry or chunk row
-  uint8_t raw_src[2][kTileRows];
-  uint8_t raw_soff[2][kTileRows];               // first scale byte in raw_scale's words
-  int raw_n[2];                                 // rows staged; -1: the end
-  int64_t list[kListCap];                       // seen items not yet staged
+  int tile_n[2];                                // rows in tile b; -1: the end
+  int64_t list[kListCap];                       // seen items not yet dequantized
   uint8_t list_src[kListCap];
   float row_max[2][kHeads];                     // each consumer's tile maxima (log2 units)
   int warp_count[4];
@@ -92,7 +88,7 @@ union Shared {
   AttnPartial part;
 };
 static_assert(sizeof(AttnPartial) <= offsetof(LoopShared, p),
-              "the partial overlays q, tile and the raw buffers only");
+              "the partial overlays q and the tiles only");
 // wgmma's swizzle works on absolute shared addresses: 1024-byte alignment.
 constexpr size_t kSharedBytes = sizeof(Shared) + 1024;
 
@@ -134,73 +130,6 @@ __device__ __forceinline__ int64_t PoolEntries(const AttentionArgs& a, uint8_t s
                              : a.Lk * a.N * a.per_block;
 }
 
-// Starts fetching list rows 0..n-1 into staging buffer rb (fp8 pools: codes,
-// RoPE and the words holding the scales; bf16 rows are read when the tile is
-// dequantized) and records what each row is. One cp.async
-// group per thread.
-__device__ void FetchRaw(const AttentionArgs& a, LoopShared& sm, int rb, int n) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int r = tid; r < n; r += 128) {
-    const int64_t e = sm.list[r];
-    sm.raw_e[rb][r] = e;
-    sm.raw_src[rb][r] = sm.list_src[r];
-    // entry e's 7 scale bytes start at byte 7e, (3 (e mod 4)) mod 4 into its first word
-    sm.raw_soff[rb][r] = static_cast<uint8_t>((3 * static_cast<int>(e & 3)) & 3);
-  }
-  if (tid == 0) sm.raw_n[rb] = n;
-  const int fmt = a.ring.fmt;
-  if (fmt != kBf16) {
-    for (int r = warp; r < n; r += 4) {
-      const uint8_t src = sm.list_src[r];
-      const EntryPool& pool = SourcePool(a, src);
-      const int64_t e = sm.list[r];
-      uint8_t* dst = sm.raw[rb] + r * kRawRow;
-      for (int c = lane; c < kRawChunks; c += 32) {
-        const uint8_t* g = c < kNopeDim / 16
-                               ? pool.nope + e * kNopeDim + c * 16
-                               : reinterpret_cast<const uint8_t*>(pool.rope + e * kRopeDim) +
-                                     (c - kNopeDim / 16) * 16;
-        CpAsync16(dst + c * 16, g);
-      }
-      if (fmt == kDsFp8 && lane < 3) {
-        // the 7 scale bytes lie in 3 aligned words; none is read past the pool
-        const int64_t word = e * kNopeTiles / 4 + lane;
-        const int64_t left = PoolEntries(a, src) * kNopeTiles - 4 * word;
-        if (left > 0)
-          CpAsync4(&sm.raw_scale[rb][r][lane], pool.scale + 4 * word, left < 4 ? int(left) : 4);
-      } else if (fmt == kFp8Token && lane == 0) {
-        CpAsync4(&sm.raw_scale[rb][r][0], reinterpret_cast<const float*>(pool.scale) + e, 4);
-      }
-    }
-  }
-  CpAsyncCommit();
-}
-
-// A staged fp8 row as the lane's EntryRegs (what WarpLoadEntry reads from
-// the pool).
-__device__ __forceinline__ EntryRegs StagedEntry(const LoopShared& sm, int fmt, int rb, int r) {
-  const int lane = threadIdx.x & 31, jhi = lane + 32;
-  const uint8_t* raw = sm.raw[rb] + r * kRawRow;
-  EntryRegs x;
-  const uint2 clo = *reinterpret_cast<const uint2*>(raw + lane * kChunk);
-  x.lo = make_uint4(clo.x, clo.y, 0, 0);
-  if (jhi < kNopeChunks) {
-    const uint2 chi = *reinterpret_cast<const uint2*>(raw + jhi * kChunk);
-    x.hi = make_uint4(chi.x, chi.y, 0, 0);
-  } else {
-    x.hi = *reinterpret_cast<const uint4*>(raw + kNopeDim + (jhi - kNopeChunks) * 16);
-  }
-  if (fmt == kDsFp8) {
-    const uint8_t* sc = reinterpret_cast<const uint8_t*>(sm.raw_scale[rb][r]) +
-                        sm.raw_soff[rb][r];
-    x.slo = num::E8m0ToF32(sc[lane >> 3]);
-    x.shi = jhi < kNopeChunks ? num::E8m0ToF32(sc[jhi >> 3]) : 1.f;
-  } else {
-    x.slo = x.shi = *reinterpret_cast<const float*>(sm.raw_scale[rb][r]);
-  }
-  return x;
-}
-
 // 8 e4m3 codes times s as 8 bf16 (e4m3 -> f16 is exact, one fp32 multiply,
 // the pair rounded to bf16 by one instruction). Unlike the gathers' DequantChunk
 // it does not route NaN codes through the host's scalar rules: attention is
@@ -218,72 +147,137 @@ __device__ __forceinline__ uint4 DequantChunkFast(uint32_t c0, uint32_t c1, floa
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// A staged fp8 row's two chunks of the lane, decoded (RoPE chunks as stored).
-__device__ __forceinline__ void StoreStagedChunks(const EntryRegs& x, uint4* lo, uint4* hi) {
-  const int jhi = (threadIdx.x & 31) + 32;
-  *lo = DequantChunkFast(x.lo.x, x.lo.y, x.slo);
-  *hi = jhi < kNopeChunks ? DequantChunkFast(x.hi.x, x.hi.y, x.shi) : x.hi;
-}
+// One row's bytes that a producer lane loads: lane q of the row's four owns
+// 16-byte code pieces q, q + 4, ... (bf16 pools: 16-byte chunks q, q + 4, ...
+// of the whole row), so a quad reads 64 contiguous bytes a load.
+struct RowPart {
+  uint4 v[kFp8Loads + kRopeLoads];   // fp8: the codes, then RoPE; bf16: the first 9 chunks
+  uint32_t scale[3];                 // ds_fp8: the words holding the row's 7 scale bytes
+  int soff;                          // the first scale byte in them
+};
 
-// Consumers: dequantizes raw buffer rb (n rows) into the bf16 tile, 8 warps
-// of both consumer warpgroups, rows past n zero (a masked row must hold
-// finite values: its zero weight times NaN is NaN). `cw`: the consumer warp,
-// 0..7.
-__device__ void DequantTile(const AttentionArgs& a, LoopShared& sm, int rb, int n, int cw) {
-  const int lane = threadIdx.x & 31, fmt = a.ring.fmt;
-  auto chunks = [&](int r, uint4** lo, uint4** hi) {
-    *lo = reinterpret_cast<uint4*>(sm.tile + wgmma::ChunkOffset(r, lane));
-    *hi = reinterpret_cast<uint4*>(sm.tile + wgmma::ChunkOffset(r, lane + 32));
-  };
-  if (fmt != kBf16) {
-    for (int r = cw; r < kTileRows; r += 8) {
-      uint4 *lo, *hi;
-      chunks(r, &lo, &hi);
-      if (r >= n) *lo = *hi = make_uint4(0, 0, 0, 0);
-      else StoreStagedChunks(StagedEntry(sm, fmt, rb, r), lo, hi);
-    }
+// Issues the loads of the lane's part of entry e (fp8 pools; not waited for).
+__device__ __forceinline__ void LoadRowPart(const AttentionArgs& a, uint8_t src, int64_t e,
+                                            int qd, RowPart* x) {
+  const EntryPool& pool = SourcePool(a, src);
+  const uint4* codes = reinterpret_cast<const uint4*>(pool.nope + e * kNopeDim);
+  const uint4* rope = reinterpret_cast<const uint4*>(pool.rope + e * kRopeDim);
+#pragma unroll
+  for (int j = 0; j < kFp8Loads; ++j) x->v[j] = __ldg(codes + qd + kRowLanes * j);
+#pragma unroll
+  for (int j = 0; j < kRopeLoads; ++j) x->v[kFp8Loads + j] = __ldg(rope + qd + kRowLanes * j);
+  if (a.ring.fmt == kDsFp8) {
+    // entry e's 7 scale bytes start at byte 7e, (3 (e mod 4)) mod 4 into its first word;
+    // they lie in 3 aligned words, none read past the pool
+    const int64_t word = e * kNopeTiles / 4;
+    const int64_t words = (PoolEntries(a, src) * kNopeTiles + 3) / 4;
+#pragma unroll
+    for (int k = 0; k < 3; ++k)
+      x->scale[k] = word + k < words
+                        ? __ldg(reinterpret_cast<const uint32_t*>(pool.scale) + word + k)
+                        : 0u;
+    x->soff = (3 * static_cast<int>(e & 3)) & 3;
   } else {
-    for (int r0 = cw; r0 < kTileRows; r0 += 8 * kBatch) {
-      EntryRegs x[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int r = r0 + 8 * k;
-        if (r < n) x[k] = WarpLoadEntry(SourcePool(a, sm.raw_src[rb][r]), sm.raw_e[rb][r]);
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int r = r0 + 8 * k;
-        uint4 *lo, *hi;
-        chunks(r, &lo, &hi);
-        if (r >= n) *lo = *hi = make_uint4(0, 0, 0, 0);
-        else WarpStoreEntryChunks(fmt, x[k], lo, hi);
-      }
-    }
+    x->scale[0] = __ldg(reinterpret_cast<const uint32_t*>(pool.scale) + e);   // fp8_token's float
   }
 }
 
-// The producer warpgroup: decide items [c0, c1) of token t and fetch each
-// tile's rows into a raw buffer, handing a buffer to the consumers once its
-// copies have landed (while the next tile's are in flight); then the end
-// marker.
+// Dequantizes the lane's part of a row into row r of a bf16 tile: code piece
+// qd + 4j is channels 16 (qd + 4j) .. + 15, chunks 2 (qd + 4j) and + 1, all of
+// ds_fp8's scale tile j; RoPE piece qd + 4j is chunk kNopeChunks + qd + 4j.
+__device__ __forceinline__ void StoreRowPart(int fmt, const RowPart& x, int qd, uint8_t* tile,
+                                             int r) {
+  const uint64_t sw = (static_cast<uint64_t>(x.scale[1]) << 32) | x.scale[0];
+#pragma unroll
+  for (int j = 0; j < kFp8Loads; ++j) {
+    float s;
+    if (fmt == kDsFp8) {
+      const int byte = x.soff + j;
+      const uint32_t b = byte < 8 ? static_cast<uint32_t>(sw >> (8 * byte))
+                                  : x.scale[2] >> (8 * (byte - 8));
+      s = num::E8m0ToF32(static_cast<uint8_t>(b));
+    } else {
+      s = __uint_as_float(x.scale[0]);
+    }
+    const int c = 2 * (qd + kRowLanes * j);
+    *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, c)) =
+        DequantChunkFast(x.v[j].x, x.v[j].y, s);
+    *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, c + 1)) =
+        DequantChunkFast(x.v[j].z, x.v[j].w, s);
+  }
+#pragma unroll
+  for (int j = 0; j < kRopeLoads; ++j)
+    *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, kNopeChunks + qd + kRowLanes * j)) =
+        x.v[kFp8Loads + j];
+}
+
+// The producer warpgroup's dequantizing of list rows 0..n-1 into bf16 tile
+// `tile`, rows n..63 zero (a masked row must hold finite values: its zero
+// weight times NaN is NaN). Four lanes a row, two rows a lane (r and r + 32)
+// one after the other, every load of a row issued before its first store: a
+// lane's two rows are its only dependent chains a tile. bf16 pools are copied
+// in the same quads, 16 chunks a lane a row.
+__device__ void DequantRowsToTile(const AttentionArgs& a, const LoopShared& sm, uint8_t* tile,
+                                  int n) {
+  const int tid = threadIdx.x, qd = tid & (kRowLanes - 1), r0 = tid / kRowLanes;
+  constexpr int kRowsALane = kTileRows * kRowLanes / 128;
+  const int fmt = a.ring.fmt;
+  if (fmt != kBf16) {
+    for (int i = 0; i < kRowsALane; ++i) {
+      const int r = r0 + 32 * i;
+      if (r < n) {
+        RowPart x;
+        LoadRowPart(a, sm.list_src[r], sm.list[r], qd, &x);
+        StoreRowPart(fmt, x, qd, tile, r);
+      } else {
+        for (int c = qd; c < kChunks; c += kRowLanes)
+          *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, c)) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    return;
+  }
+  for (int i = 0; i < kRowsALane; ++i) {
+    const int r = r0 + 32 * i;
+    const uint4* nope = nullptr;
+    const uint4* rope = nullptr;
+    if (r < n) {
+      const EntryPool& pool = SourcePool(a, sm.list_src[r]);
+      nope = reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(pool.nope) +
+                                            sm.list[r] * kNopeDim);
+      rope = reinterpret_cast<const uint4*>(pool.rope + sm.list[r] * kRopeDim);
+    }
+    uint4 v[kChunks / kRowLanes];
+#pragma unroll
+    for (int j = 0; j < kChunks / kRowLanes; ++j) {
+      const int c = qd + kRowLanes * j;
+      v[j] = r >= n ? make_uint4(0, 0, 0, 0)
+                    : c < kNopeChunks ? __ldg(nope + c) : __ldg(rope + (c - kNopeChunks));
+    }
+#pragma unroll
+    for (int j = 0; j < kChunks / kRowLanes; ++j)
+      *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, qd + kRowLanes * j)) = v[j];
+  }
+}
+
+// The producer warpgroup: decide items [c0, c1) of token t, 128 at a time,
+// and dequantize each tile of 64 seen items into one of the two bf16 tiles
+// (the consumers' products run on the other), handing it over once written;
+// then the end marker.
+template <class Products>
 __device__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l, int64_t lk, int64_t t,
                         int64_t s, int64_t p, int64_t first_pos, int64_t c0, int64_t c1,
                         bool counts) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int pending = 0, tiles = 0;
-  auto hand_over = [&](int tile, bool newest) {   // tile's copies landed: to the consumers
-    if (newest) CpAsyncWait<0>();
-    else CpAsyncWait<1>();
-    BarSync(kProducerSync, 128);
-    BarArrive(kRawFull + (tile & 1), kThreads);
-  };
   auto emit = [&](int n) {
-    const int rb = tiles & 1;
-    if (tiles >= 2) BarSync(kRawEmpty + rb, kThreads);   // tile tiles-2 dequantized
-    FetchRaw(a, sm, rb, n);
+    const int b = tiles & 1;
+    if (tiles >= 2) BarSync(kTileEmpty + b, kThreads);   // tile tiles - 2 was read
+    DequantRowsToTile(a, sm, sm.tile[b], n);
+    if (tid == 0) sm.tile_n[b] = n;
+    Products::FenceShared();
+    BarArrive(kTileFull + b, kThreads);
     ++tiles;
-    if (tiles >= 2) hand_over(tiles - 2, false);
-    // move the items not staged to the front of the list
+    // move the items not dequantized to the front of the list
     pending -= n;
     int64_t e = 0;
     uint8_t src = 0;
@@ -323,13 +317,12 @@ __device__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l, int64
     while (pending >= kTileRows) emit(kTileRows);
   }
   if (pending > 0) emit(pending);
-  if (tiles >= 1) hand_over(tiles - 1, true);
-  // the end marker in the next buffer, then every release the consumers owe
-  const int rb = tiles & 1;
-  if (tiles >= 2) BarSync(kRawEmpty + rb, kThreads);
-  if (tid == 0) sm.raw_n[rb] = -1;
-  BarArrive(kRawFull + rb, kThreads);
-  if (tiles >= 1) BarSync(kRawEmpty + ((tiles - 1) & 1), kThreads);
+  // the end marker in the next tile, then every release the consumers owe
+  const int b = tiles & 1;
+  if (tiles >= 2) BarSync(kTileEmpty + b, kThreads);
+  if (tid == 0) sm.tile_n[b] = -1;
+  BarArrive(kTileFull + b, kThreads);
+  if (tiles >= 1) BarSync(kTileEmpty + ((tiles - 1) & 1), kThreads);
 }
 
 // A consumer warpgroup (c = 0, 1: S columns 32c .. 32c + 31 of each tile,
@@ -361,21 +354,17 @@ __device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int 
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  const int cw = 4 * c + warp;                  // consumer warp, 0..7
   for (int it = 0;; ++it) {
-    const int rb = it & 1;
-    BarSync(kRawFull + rb, kThreads);
+    const int b = it & 1;
+    BarSync(kTileFull + b, kThreads);
     Products::WaitPV();                         // the last tile's P.V (overlapped the wait)
-    const int n = *reinterpret_cast<volatile int*>(&sm.raw_n[rb]);
+    if (it >= 1) BarArrive(kTileEmpty + (b ^ 1), kThreads);   // that tile may be refilled
+    const int n = *reinterpret_cast<volatile int*>(&sm.tile_n[b]);
     if (n < 0) break;
-    BarSync(kConsumerSync, 256);                // both done with the tile before
-    DequantTile(a, sm, rb, n, cw);
-    Products::FenceShared();
-    BarArrive(kRawEmpty + rb, kThreads);        // the raw buffer may be refilled
-    BarSync(kConsumerSync, 256);                // the whole tile is written
+    const uint8_t* tile = sm.tile[b];
     const uint64_t valid = n >= 64 ? ~0ull : (1ull << n) - 1ull;   // bit r: tile row r seen
     float sc[16];
-    Products::Scores(sc, sm.q, sm.tile + kHalfRows * 128 * c, warp);
+    Products::Scores(sc, sm.q, tile + kHalfRows * 128 * c, warp);
     // element k: head row row0 + 8 ((k >> 1) & 1), tile row 32c + 8 (k >> 2) + 2 quad + (k & 1)
     const uint32_t vbits = static_cast<uint32_t>(valid >> (kHalfRows * c)) >> (2 * quad);
     float mx[2] = {-INFINITY, -INFINITY};
@@ -430,9 +419,8 @@ __device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int 
     }
     Products::FenceShared();
     BarSync(kExchange, 256);                    // P is whole
-    Products::IssuePV(o, sm.p, sm.tile, c, warp);
+    Products::IssuePV(o, sm.p, tile, c, warp);
   }
-  Products::WaitPV();
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     den[i] += __shfl_xor_sync(kFull, den[i], 1);
@@ -514,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (tid < 128) {
     RegsDown<kProducerRegs>();
-    Produce(a, sm, l, lk, t, s, p, first_pos, c0, c1, blockIdx.y == 0);
+    Produce<Products>(a, sm, l, lk, t, s, p, first_pos, c0, c1, blockIdx.y == 0);
     if (tid < 32) WarpRopeTable(a, t, sm.rot);   // while the consumers end
     RegsUp<kLaunchRegs>();                       // back to the launch's share for the finish
   } else {
