@@ -66,8 +66,7 @@ template <class Products>
 ffi::Error LaunchTensorCores(const AttentionArgs& a, cudaStream_t stream) {
   const auto kernel = kKernel<Products>;
   cudaError_t e = cuda::AllowDynamicShared<kKernel<Products>>(static_cast<int>(tc::kSharedBytes));
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e == cudaSuccess) e = cuda::AllowLargeClusters<kKernel<Products>>();
   if (e != cudaSuccess)
     return ffi::Error::Internal(std::string("attention: kernel attributes: ") +
                                 cudaGetErrorString(e));

@@ -35,21 +35,34 @@ inline int SmCount() { return DeviceAttribute<cudaDevAttrMultiProcessorCount>(13
 inline int64_t L2Bytes() { return DeviceAttribute<cudaDevAttrL2CacheSize>(50 << 20); }
 inline int ComputeMajor() { return DeviceAttribute<cudaDevAttrComputeCapabilityMajor>(9); }
 
-// Lets kernel `kKernel` take up to `bytes` of dynamic shared memory (past
-// the default 48 KB). The limit is an attribute of the kernel on each
-// device, so it is set once per device, not once per process: a process that
-// drives several GPUs launches on each.
-template <auto kKernel>
-cudaError_t AllowDynamicShared(int bytes) {
+// Sets attribute `kAttr` of kernel `kKernel` to `value`. Attributes of a
+// kernel are per device, so each is set once per device (a process that
+// drives several GPUs launches on each), not at every launch: the call is
+// host time on every launch path. Each instantiation sets one value.
+template <auto kKernel, cudaFuncAttribute kAttr>
+cudaError_t SetKernelAttributeOnce(int value) {
   static std::atomic<bool> done[64];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   const bool cached = dev >= 0 && dev < 64;
   if (cached && done[dev].load(std::memory_order_acquire)) return cudaSuccess;
-  e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  e = cudaFuncSetAttribute(kKernel, kAttr, value);
   if (e == cudaSuccess && cached) done[dev].store(true, std::memory_order_release);
   return e;
+}
+
+// Lets kernel `kKernel` take up to `bytes` of dynamic shared memory (past
+// the default 48 KB).
+template <auto kKernel>
+cudaError_t AllowDynamicShared(int bytes) {
+  return SetKernelAttributeOnce<kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize>(bytes);
+}
+
+// Lets kernel `kKernel` run in clusters past the portable 8 blocks.
+template <auto kKernel>
+cudaError_t AllowLargeClusters() {
+  return SetKernelAttributeOnce<kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(1);
 }
 
 // Blocks for a grid-stride loop over `work` items of `per_block` each, at most
