@@ -20,6 +20,14 @@
 // issues the request's accumulator and first-row loads before it agrees that
 // the row is the request's first, so its chain is two rounds of loads, the
 // row's vote and the epilogue. Larger calls search for the rows (SearchRows).
+// The epilogue's norm weights and RoPE frequencies are read with the first
+// round, and a walk stores the accumulators it leaves as soon as its last row
+// is folded, before that row's epilogue, so neither waits at the chain's end.
+//
+// A CSA request's walk may also be split in two (Part): the main entry in
+// one block, the indexer key in another (write_layer at decode sizes), each
+// folding, closing and storing only its own accumulators, so the main
+// entry's chain is as long as an HCA layer's and the key's runs beside it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,12 +43,27 @@ namespace flush_kernel {
 
 constexpr int kThreads = kHeadDim;  // one thread per channel of an entry
 
+// What a walk computes. kAll: the main entry and, CSA, the indexer key, in
+// one block. kMain / kIndex: one of the two, the request's other part walked
+// by another block. Every part loads the row values that decide a drop (a
+// NaN/Inf anywhere in a row drops it for both), so both decide every row the
+// same way; only the parts that hold the main entry count the dropped rows.
+enum class Part : int { kAll, kMain, kIndex };
+
+// Whether part p closes the main entry (and counts), and the indexer key.
+__host__ __device__ constexpr bool HasEntry(Part p) { return p != Part::kIndex; }
+__host__ __device__ constexpr bool HasKey(bool csa, Part p) { return csa && p != Part::kMain; }
+
 struct FlushShared {
   float x[kHeadDim];    // main entry under its epilogue
   float ix[kIndexDim];  // indexer key under its epilogue
   float ss[2];          // sums of squares (main, index)
   int next_row;         // offset of the request's next row within a searched span
   uint32_t rows[kThreads / 32];  // MaskRows: bit t of the request's rows
+  // The epilogue's parameters, each written and read by its channel's thread
+  // (StageChannelParams): RMSNorm weights and the RoPE channels' inverse
+  // frequencies, main and indexer.
+  float norm[kHeadDim], inorm[kIndexDim], freq[kRopeDim], ifreq[kRopeDim];
 };
 
 // MXFP4 block `blk` (channels 32 blk .. 32 blk + 31) of indexer key e, a
@@ -79,15 +102,36 @@ __device__ __forceinline__ float WarpSumSquares(const float* xs, int d) {
 // channels c and c ^ 1 form a pair in one warp, so the partner's value comes
 // by a shuffle. `rope` must be the same for the whole warp (the RoPE
 // channels are whole warps: from 448 of 512 and 64 of 128).
-__device__ __forceinline__ float LaneRope(float v, int c, bool rope, int r0, int64_t pos,
-                                          const float* inv_freq) {
-  if (!rope) return v;
+// The RoPE channels are c >= r0; `freq[c - r0]` is channel c's inverse
+// frequency (FlushShared, staged by its own thread).
+__device__ __forceinline__ float LaneRope(float v, int c, int r0, int64_t pos,
+                                          const float* freq) {
+  if (c < r0) return v;
   const float other = __shfl_xor_sync(cuda::kFull, v, 1);
   const bool odd = c & 1;
   float y0, y1;
-  num::RopePair(odd ? other : v, odd ? v : other,
-                static_cast<float>(pos) * __ldg(inv_freq + ((c - r0) >> 1)), &y0, &y1);
+  num::RopePair(odd ? other : v, odd ? v : other, static_cast<float>(pos) * freq[c - r0], &y0,
+                &y1);
   return num::RoundBf16(odd ? y1 : y0);
+}
+
+// Thread c copies the epilogue's parameters of its channels (main channel c
+// and, CSA, c < kIndexDim, indexer channel c, as part kPart needs them) into
+// sh, where only it reads them: so they are read from global memory once, at
+// the start of a walk, not between the epilogue's barriers, and hold no
+// registers meanwhile.
+template <bool kCsa, Part kPart>
+__device__ __forceinline__ void StageChannelParams(const FlushArgs& a, FlushShared& sh) {
+  const int c = threadIdx.x;
+  constexpr int r0 = kHeadDim - kRopeDim, ir0 = kIndexDim - kRopeDim;
+  if (HasEntry(kPart)) {
+    sh.norm[c] = __ldg(a.main.norm + c);
+    if (c >= r0) sh.freq[c - r0] = __ldg(a.main.inv_freq + ((c - r0) >> 1));
+  }
+  if (HasKey(kCsa, kPart) && c < kIndexDim) {
+    sh.inorm[c] = __ldg(a.index.norm + c);
+    if (c >= ir0) sh.ifreq[c - ir0] = __ldg(a.index.inv_freq + ((c - ir0) >> 1));
+  }
 }
 
 // The warp that stores the main entry while warps 0-3 make the indexer key.
@@ -98,42 +142,48 @@ constexpr int kIndexBarrier = 1;
 // The epilogue of docs/design.md §3 (and, CSA, the indexer key's with its
 // Hadamard step) and the stores, for entry e at position pos: thread c holds
 // the pooled value v of channel c and, c < 128, iv of the indexer key's
-// channel c. The two rows share the barriers: rounding, then both sums of
-// squares (warps 0 and 1), then norm and RoPE (pairs by shuffles). The
+// channel c; `kPart` says which of the two this block closes (v or iv is
+// then unused). The thread's StageChannelParams come before. The two rows
+// share the barriers: rounding, then both sums of squares (warps 0 and 1),
+// then norm and RoPE (pairs by shuffles). The
 // Hadamard butterflies of strides 1-16 are shuffles, those of 32 and 64 one
 // exchange among warps 0-3; warp kStoreWarp encodes the entry meanwhile.
 // The same arithmetic in the same order as the host's (ffi/flush.h).
 // Every thread of the block calls it; it ends with a barrier, so sh is free.
-template <bool kCsa>
+template <bool kCsa, Part kPart>
 __device__ void BlockCloseEntry(const FlushArgs& a, int64_t e, float v, float iv, int64_t pos,
                                 FlushShared& sh) {
+  constexpr bool kEntry = HasEntry(kPart), kKey = HasKey(kCsa, kPart);
   const int c = threadIdx.x, warp = c >> 5;
-  const bool ich = kCsa && c < kIndexDim;
-  v = num::RoundBf16(v);
-  sh.x[c] = v;
+  const bool ich = kKey && c < kIndexDim;
+  if (kEntry) {
+    v = num::RoundBf16(v);
+    sh.x[c] = v;
+  }
   if (ich) {
     iv = num::RoundBf16(iv);
     sh.ix[c] = iv;
   }
   __syncthreads();
-  if (warp == 0) {
+  if (kEntry && warp == 0) {
     const float ss = WarpSumSquares(sh.x, kHeadDim);
     if (c == 0) sh.ss[0] = ss;
-  } else if (kCsa && warp == 1) {
+  } else if (kKey && warp == 1) {
     const float ss = WarpSumSquares(sh.ix, kIndexDim);
     if (c == 32) sh.ss[1] = ss;
   }
   __syncthreads();
-  v = num::RoundBf16((v * num::RmsInvFromSumSquares(sh.ss[0], kHeadDim)) * __ldg(a.main.norm + c));
-  v = LaneRope(v, c, c >= kHeadDim - kRopeDim, kHeadDim - kRopeDim, pos, a.main.inv_freq);
-  sh.x[c] = v;
+  if (kEntry) {
+    v = num::RoundBf16((v * num::RmsInvFromSumSquares(sh.ss[0], kHeadDim)) * sh.norm[c]);
+    v = LaneRope(v, c, kHeadDim - kRopeDim, pos, sh.freq);
+    sh.x[c] = v;
+  }
   if (ich) {
-    iv = num::RoundBf16((iv * num::RmsInvFromSumSquares(sh.ss[1], kIndexDim)) *
-                        __ldg(a.index.norm + c));
-    iv = LaneRope(iv, c, c >= kIndexDim - kRopeDim, kIndexDim - kRopeDim, pos, a.index.inv_freq);
+    iv = num::RoundBf16((iv * num::RmsInvFromSumSquares(sh.ss[1], kIndexDim)) * sh.inorm[c]);
+    iv = LaneRope(iv, c, kIndexDim - kRopeDim, pos, sh.ifreq);
   }
   __syncthreads();
-  if (warp == kStoreWarp) {
+  if (kEntry && warp == kStoreWarp) {
     const int lane = c & 31;
     float lo[8], hi[8];
 #pragma unroll
@@ -249,9 +299,12 @@ struct MaskRows {
 // order, under the rule of ffi/flush.h (expected positions p0 + k): the
 // request's accumulators and t0's operands are loaded first, then `rows`
 // decides whether t0 is the request's first row (else nothing happens).
-template <bool kCsa, typename Rows>
+// `kPart` says which accumulators the walk folds, closes and stores; the
+// thread's StageChannelParams for that part come before.
+template <bool kCsa, Part kPart, typename Rows>
 __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0, int64_t p0,
                             FlushShared& sh, const Rows& rows) {
+  constexpr bool kEntry = HasEntry(kPart), kKey = HasKey(kCsa, kPart);
   const int c = threadIdx.x;
   const CompressorView& mv = a.main;
   const int64_t coff = kCsa ? 2 : 1;
@@ -259,10 +312,13 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
   const int64_t m = kCsa ? kCsaRatio : kHcaRatio;
   const Acc3 cur_row{mv.comp + (l * a.R + s) * coff * 3 * kHeadDim, kHeadDim};
   const Acc3 nxt_row{cur_row.base + 3 * kHeadDim, kHeadDim};
-  num::SoftmaxAcc cur = cur_row.Load(c), nxt = num::EmptyAcc();
-  if (kCsa) nxt = nxt_row.Load(c);
-  // indexer (CSA): threads 0..127
-  const bool ich = kCsa && c < kIndexDim;
+  num::SoftmaxAcc cur = num::EmptyAcc(), nxt = num::EmptyAcc();
+  if (kEntry) cur = cur_row.Load(c);
+  if (kEntry && kCsa) nxt = nxt_row.Load(c);
+  // indexer (CSA): threads 0..127 read its row values (every part: they
+  // decide a drop) and, with the key, fold its accumulators
+  const bool irow = kCsa && c < kIndexDim;
+  const bool ich = kKey && c < kIndexDim;
   const int64_t iw = 2 * kIndexDim;
   Acc3 icur_row{nullptr, kIndexDim}, inxt_row{nullptr, kIndexDim};
   num::SoftmaxAcc icur = num::EmptyAcc(), inxt = num::EmptyAcc();
@@ -294,27 +350,38 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     const float* ape = mv.ape + pm * mw;
     const int hb = kCsa ? kHeadDim : 0;  // the half folded into `cur`
     in.sb = __ldg(sc + hb + c);
-    in.ab = __ldg(ape + hb + c);
     in.vb = __ldg(kv + hb + c);
+    if (kEntry) in.ab = __ldg(ape + hb + c);
     if (kCsa) {
       in.sa = __ldg(sc + c);
-      in.aa = __ldg(ape + c);
       in.va = __ldg(kv + c);
+      if (kEntry) in.aa = __ldg(ape + c);
     }
-    if (ich) {
+    if (irow) {
       const float* ikv = a.index.kv + t * iw;
       const float* isc = a.index.score + t * iw;
-      const float* iape = a.index.ape + pm * iw;
       in.isb = __ldg(isc + kIndexDim + c);
-      in.iab = __ldg(iape + kIndexDim + c);
       in.ivb = __ldg(ikv + kIndexDim + c);
       in.isa = __ldg(isc + c);
-      in.iaa = __ldg(iape + c);
       in.iva = __ldg(ikv + c);
+    }
+    if (ich) {
+      const float* iape = a.index.ape + pm * iw;
+      in.iab = __ldg(iape + kIndexDim + c);
+      in.iaa = __ldg(iape + c);
     }
     return in;
   };
-  bool touched = false;
+  // the accumulators the walk leaves
+  auto store = [&] {
+    if (kEntry) cur_row.Store(c, cur);
+    if (kEntry && kCsa) nxt_row.Store(c, nxt);
+    if (ich) {
+      icur_row.Store(c, icur);
+      inxt_row.Store(c, inxt);
+    }
+  };
+  bool touched = false, stored = false;
   int64_t t = t0;
   TokenIn in = load(t, p0);
   if (!rows.First(t0)) return;  // block-uniform; the loads above are wasted
@@ -326,30 +393,30 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     t = tn;
     in = nin;
     if (!cin.gates) {  // expected position outside [0, max_context): nothing to close
-      if (c == 0) atomicAdd(&a.errors[kBadPosition], 1);
+      if (kEntry && c == 0) atomicAdd(&a.errors[kBadPosition], 1);
       continue;
     }
     touched = true;
     bool fold = cin.err < 0;
     if (!fold) {
-      if (c == 0) atomicAdd(&a.errors[cin.err], 1);
+      if (kEntry && c == 0) atomicAdd(&a.errors[cin.err], 1);
     } else {
       // NaN/Inf anywhere in the row's inputs drops it: each thread checks the
       // channels it loaded, the block decides together (cin.err is uniform).
       bool bad = !(num::IsFinite(cin.sb) && num::IsFinite(cin.vb));
       if (kCsa) bad = bad || !(num::IsFinite(cin.sa) && num::IsFinite(cin.va));
-      if (ich) {
+      if (irow) {
         bad = bad || !(num::IsFinite(cin.isb) && num::IsFinite(cin.ivb) &&
                        num::IsFinite(cin.isa) && num::IsFinite(cin.iva));
       }
       if (__syncthreads_or(bad)) {
-        if (c == 0) atomicAdd(&a.errors[kNonfinite], 1);
+        if (kEntry && c == 0) atomicAdd(&a.errors[kNonfinite], 1);
         fold = false;
       }
     }
     if (fold) {
-      cur = num::AccumulateAcc(cur, cin.sb + cin.ab, cin.vb);
-      if (kCsa) nxt = num::AccumulateAcc(nxt, cin.sa + cin.aa, cin.va);
+      if (kEntry) cur = num::AccumulateAcc(cur, cin.sb + cin.ab, cin.vb);
+      if (kEntry && kCsa) nxt = num::AccumulateAcc(nxt, cin.sa + cin.aa, cin.va);
       if (ich) {
         icur = num::AccumulateAcc(icur, cin.isb + cin.iab, cin.ivb);
         inxt = num::AccumulateAcc(inxt, cin.isa + cin.iaa, cin.iva);
@@ -358,39 +425,38 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     if (cin.ep % m != m - 1) continue;
     // The row's expected position ends window w: it closes, dropped row or not.
     const int64_t w = cin.ep / m;
-    const float pooled = num::FinalizeAcc(cur);
-    float ipooled = 0.f;
-    if (kCsa) {
-      cur = nxt;
+    float pooled = 0.f, ipooled = 0.f;
+    if (kEntry) {
+      pooled = num::FinalizeAcc(cur);
+      cur = kCsa ? nxt : num::EmptyAcc();
       nxt = num::EmptyAcc();
-    } else {
-      cur = num::EmptyAcc();
     }
     if (ich) {
       ipooled = num::FinalizeAcc(icur);
       icur = inxt;
       inxt = num::EmptyAcc();
     }
+    if (t >= a.T) {  // the walk's last row: its stores go out under the epilogue
+      store();
+      stored = true;
+    }
     if (cin.block < 0) continue;  // no block to store the entry in (block-uniform)
     const int64_t e = (l * a.N + cin.block) * a.per_block + w % a.per_block;
-    BlockCloseEntry<kCsa>(a, e, pooled, ipooled, w * m, sh);
+    BlockCloseEntry<kCsa, kPart>(a, e, pooled, ipooled, w * m, sh);
   }
-  if (!touched) return;
-  cur_row.Store(c, cur);
-  if (kCsa) nxt_row.Store(c, nxt);
-  if (ich) {
-    icur_row.Store(c, icur);
-    inxt_row.Store(c, inxt);
-  }
+  if (touched && !stored) store();
 }
 
 // The flush of one block: requests are found by their first rows, dealt to
-// the role's `blocks` blocks grid-stride (`block` is this one's index).
+// the role's `blocks` blocks grid-stride (`block` is this one's index); the
+// block computes part `kPart` of each (another role's blocks the rest).
 // A call of at most kThreads rows (decode) finds a request's rows by
 // MaskRows, and every load that needs only row indices (the layer, the
-// call's slots, t0's slot and position) is issued before the layer check.
-template <bool kCsa>
+// call's slots, t0's slot and position, the epilogue's parameters) is issued
+// before the layer check.
+template <bool kCsa, Part kPart = Part::kAll>
 __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, FlushShared& sh) {
+  constexpr bool kCounts = HasEntry(kPart);
   cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
   cuda::LetNextStart();     // a kernel launched overlapped after this one waits
   const bool masked = a.T <= kThreads;
@@ -399,19 +465,20 @@ __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, 
   const int64_t first = block;
   const int64_t s_first = first < a.T ? __ldg(a.slot + first) : -1;
   const int64_t p_first = first < a.T ? __ldg(a.pos + first) : 0;
+  StageChannelParams<kCsa, kPart>(a, sh);
   int64_t l;
-  if (!cuda::LayerOkCountedBy(block == 0, a.layer, a.L, a.errors, &l)) return;
+  if (!cuda::LayerOkCountedBy(kCounts && block == 0, a.layer, a.L, a.errors, &l)) return;
   for (int64_t t0 = first; t0 < a.T; t0 += blocks) {
     if (masked && t0 != first) __syncthreads();  // the last walk's reads of sh.rows are done
     const int64_t s = t0 == first ? s_first : __ldg(a.slot + t0);
     if (s == -1) continue;
     if (s < 0 || s >= a.R) {
-      if (threadIdx.x == 0) atomicAdd(&a.errors[kBadSlot], 1);
+      if (kCounts && threadIdx.x == 0) atomicAdd(&a.errors[kBadSlot], 1);
       continue;
     }
     if (masked) {
       const int64_t p0 = t0 == first ? p_first : __ldg(a.pos + t0);
-      WalkRequest<kCsa>(a, l, s, t0, p0, sh, MaskRows{a, s, sh, my_slot});
+      WalkRequest<kCsa, kPart>(a, l, s, t0, p0, sh, MaskRows{a, s, sh, my_slot});
       continue;
     }
     // Is t0 the first row of request s? (block-uniform)
@@ -419,7 +486,7 @@ __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, 
     int seen = 0;
     for (int64_t i = threadIdx.x; i < t0; i += blockDim.x) seen |= __ldg(a.slot + i) == s;
     if (__syncthreads_or(seen)) continue;
-    WalkRequest<kCsa>(a, l, s, t0, __ldg(a.pos + t0), sh, SearchRows{a, s, sh});
+    WalkRequest<kCsa, kPart>(a, l, s, t0, __ldg(a.pos + t0), sh, SearchRows{a, s, sh});
   }
 }
 

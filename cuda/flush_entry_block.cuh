@@ -127,8 +127,9 @@ __device__ void RunEntry(const FlushArgs& a, int64_t l, int64_t s, int64_t t_ref
   const int64_t block = __ldg(a.block_table + s * a.MB + j.e * m / kBlockTokens);
   if (block < 0 || block >= a.N) return;  // not stored; its rows were counted
   const int64_t e = (l * a.N + block) * a.per_block + j.e % a.per_block;
-  BlockCloseEntry<kCsa>(a, e, num::FinalizeAcc(acc), ich ? num::FinalizeAcc(iacc) : 0.f, j.e * m,
-                        sh);
+  StageChannelParams<kCsa, Part::kAll>(a, sh);
+  BlockCloseEntry<kCsa, Part::kAll>(a, e, num::FinalizeAcc(acc),
+                                    ich ? num::FinalizeAcc(iacc) : 0.f, j.e * m, sh);
 }
 
 }  // namespace flush_kernel

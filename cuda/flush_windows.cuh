@@ -262,8 +262,10 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
     for (int i = 0; i < items; ++i) {
       if (ps.item_role[i] != kIrregular) continue;
       const int64_t tt = ps.item_row[i], s = __ldg(a.slot + tt);
-      if (FirstRowOfSlot(a, s, tt))
-        WalkRequest<kCsa>(a, l, s, tt, __ldg(a.pos + tt), sh, SearchRows{a, s, sh});
+      if (FirstRowOfSlot(a, s, tt)) {
+        StageChannelParams<kCsa, Part::kAll>(a, sh);
+        WalkRequest<kCsa, Part::kAll>(a, l, s, tt, __ldg(a.pos + tt), sh, SearchRows{a, s, sh});
+      }
     }
     __syncthreads();  // the list is rewritten next round
   }

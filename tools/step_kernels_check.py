@@ -1,13 +1,14 @@
 """Device times of the decode step's cache kernels in one run, against
 their targets (docs/perf/decode-step.md): indexer_topk (score kernel, the
 select's tail after it, the call's span), append at 1 .. 64k rows beside the
-original PyTorch kernel, and write_layer at B = 64 on a CSA, an HCA and an
-SWA layer; also write_layer then indexer_topk on one CSA layer, as a step
-runs them (what the overlapped launches change between two of the library's
-calls). Times are kernel durations on the GPU's own timeline (CUPTI through
-jax.profiler), medians over the traced calls.
+original PyTorch kernel, and write_layer at B = 64 and B = 1 on a CSA, an
+HCA and an SWA layer; also write_layer then indexer_topk on one CSA layer,
+as a step runs them (what the overlapped launches change between two of the
+library's calls). Times are kernel durations on the GPU's own timeline
+(CUPTI through jax.profiler), medians over the traced calls.
 
-    python tools/step_kernels_check.py [--json PATH] [--peers .peers] [--quick] [--pair-only]
+    python tools/step_kernels_check.py [--json PATH] [--peers .peers] [--quick]
+        [--pair-only | --write-only]
 
 With an overlapped launch a kernel's duration on the timeline starts when its
 first CTA is in place, which may be while the kernel ahead still runs; so the
@@ -230,6 +231,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     ap.add_argument("--pair-only", action="store_true",
                     help="only write_layer then indexer_topk on one CSA layer")
+    ap.add_argument("--write-only", action="store_true",
+                    help="only write_layer, alone and then indexer_topk")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     dev = jax.devices()[0]
@@ -242,7 +245,7 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
 
     indexer_cases = [(1, 4096, "span ≤ 8"), (64, 65536, "score ≤ 31, tail ≤ 10, span ≤ 45")]
-    if args.pair_only:
+    if args.pair_only or args.write_only:
         indexer_cases = []
     for B, ctx, target in indexer_cases[:1] if args.quick else indexer_cases:
         st = indexer_state(B, ctx)
@@ -250,15 +253,19 @@ def main(argv=None):
         del st
         for part in ("score_us", "select_tail_us", "span_us", "period_us"):
             row(f"indexer {part[:-3]}", f"B={B} {ctx // 1024}k", target, us=t[part])
-    sizes = [] if args.pair_only else [1, 64, 512] if args.quick else [1, 64, 512, 4096, 65536]
+    sizes = [1, 64, 512] if args.quick else [1, 64, 512, 4096, 65536]
+    if args.pair_only or args.write_only:
+        sizes = []
     original = original_append(sizes, args.peers) if sizes else {}
     for T in sizes:
         row("append ds_fp8", f"{T} rows", "≤ original", us=append_us(T),
             original=original.get(T) if isinstance(original, dict) else None)
     if not isinstance(original, dict):
         print(f"original append: {original}", flush=True)
-    for kind in () if args.pair_only else ("csa", "hca", "swa"):
-        row(f"write_layer {kind}", "B=64 4k", "≤ 6", us=write_layer_us(64, 4096, kind))
+    for B in () if args.pair_only else (64, 1):
+        for kind in ("csa", "hca", "swa"):
+            row(f"write_layer {kind}", f"B={B} 4k", "≤ 6" if B == 64 else "",
+                us=write_layer_us(B, 4096, kind))
     flags = os.environ.get("XLA_FLAGS", "")
     buffers = "command buffers off" if "enable_command_buffer=" in flags and \
         "enable_command_buffer=F" not in flags else "XLA's default"

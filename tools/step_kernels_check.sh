@@ -24,7 +24,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests of the changed kernels"
   $PY -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/test_decode_step_kernels_gpu.py tests/ops/test_flush_windows_gpu.py \
-      tests/ops/test_write_layer.py::test_cuda_append_matches_cpu \
+      tests/ops/test_write_layer.py tests/ops/test_flush.py \
       2>&1 | tee "$OUT/pytest.log" | tail -15
   test_rc=${PIPESTATUS[0]}
 fi

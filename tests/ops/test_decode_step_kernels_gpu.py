@@ -1,9 +1,12 @@
 """The decode step's kernels on the GPU: write_layer at decode sizes (the
 append role's per-token scan, flush's walk with its rows found by a bitmask
-and its one epilogue for the entry and the indexer key) against the CPU
-handler, equal up to the one-code flips of sin/cos/expf between libm and
-CUDA (workload.compare_states), error counts equal; indexer_topk (the score
-kernel launched overlapped) against the replayed ranking.
+and its one epilogue for the entry and the indexer key; on CSA layers, up
+to 65 rows on 132 multiprocessors, the main entries and the indexer keys in
+blocks of their own)
+against the CPU handler, equal up to the one-code flips of sin/cos/expf
+between libm and CUDA (workload.compare_states), error counts equal;
+indexer_topk (the score kernel launched overlapped) against the replayed
+ranking.
 
 And the overlapped launch's ordering: in one jitted step, indexer_topk must
 see the indexer key that the write_layer before it has just stored."""
@@ -62,6 +65,10 @@ def _decode_cases():
     nan = [int(np.flatnonzero((s == 0) & (p == 519))[0]),
            int(np.flatnonzero((s == 3) & (p == 4096))[0])]
     cases.append(("interleaved short requests", 4, s, p, nan, [(1, 0)]))
+    # more rows than a CSA call splits (its whole-request walk by shape)
+    pos = (rng.integers(1, MAX_CONTEXT // 128, 96) * 128 - 1).astype(np.int32)
+    pos[::5] -= rng.integers(1, 100, len(pos[::5])).astype(np.int32)
+    cases.append(("96 one-token requests", 96, np.arange(96, dtype=np.int32), pos, [7], []))
     return cases
 
 
