@@ -18,7 +18,6 @@ using append_kernel::AppendPlan;
 using append_kernel::kThreads;
 
 constexpr int kBlocksPerSm = 2;
-constexpr int kScanBlocksPerSm = 4;
 
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) AppendKernel(AppendArgs a,
                                                                        AppendPlan plan) {
@@ -36,10 +35,10 @@ ffi::Error AppendImpl(cudaStream_t stream, int64_t kv_format, int64_t max_contex
   DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
                                       swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
                                       entry_rets, &a));
-  // a scan grid: its tokens spread four blocks a multiprocessor deep, a
-  // block only as wide as its tokens (it has no barrier)
-  const AppendPlan plan = append_kernel::FitAppendPlan<AppendKernel, kBlocksPerSm>(
-      a.T, a.R, int64_t{kScanBlocksPerSm} * cuda::SmCount());
+  // a scan grid: one block a multiprocessor, only as wide as its tokens, its
+  // warps sharing the block's staged copy of the call (past kGlobalScanCall rows)
+  const AppendPlan plan =
+      append_kernel::FitAppendPlan<AppendKernel, kBlocksPerSm>(a.T, a.R, cuda::SmCount());
   const unsigned threads = plan.mode == append_kernel::AppendMode::kScan
                                ? 32u * static_cast<unsigned>(plan.block_tokens)
                                : static_cast<unsigned>(kThreads);

@@ -69,6 +69,15 @@ def _decode_cases():
     pos = (rng.integers(1, MAX_CONTEXT // 128, 96) * 128 - 1).astype(np.int32)
     pos[::5] -= rng.integers(1, 100, len(pos[::5])).astype(np.int32)
     cases.append(("96 one-token requests", 96, np.arange(96, dtype=np.int32), pos, [7], []))
+    # 201 rows (the append role's staged copy over several warps' tokens, its
+    # last group of 4 rows partial): longer runs interleaved, a bad slot, padding,
+    # a bad position, NaN rows
+    s, p = _interleaved(rng, (0, 1000, 70), (1, 126, 60), (2, 5000, 50), (3, 300, 17))
+    s = np.r_[s, 9, -1, 2, 1].astype(np.int32)
+    p = np.r_[p, 5, 0, -3, 186].astype(np.int32)
+    nan = [int(np.flatnonzero((s == 0) & (p == 1069))[0]),
+           int(np.flatnonzero((s == 2) & (p == 5010))[0])]
+    cases.append(("201 interleaved rows", 4, s, p, nan, []))
     return cases
 
 

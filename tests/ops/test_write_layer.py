@@ -413,6 +413,36 @@ def _append_cases():
     p = np.r_[rng.integers(0, 8000, 62), 0, 0].astype(np.int32)
     p[62], p[63] = p[5] + 128, p[9]
     cases.append(("decode 64, shared cells", 64, s, p, np.array([62])))
+    # the scan at size, any order: bad slots and positions, padding, many rows
+    # a cell, NaN rows; a row count off a multiple of 4 (the staged copy's last
+    # group is partial)
+    s = rng.integers(-2, 20, 777).astype(np.int32)
+    p = rng.integers(-5, 8300, 777).astype(np.int32)
+    cases.append(("random 777", 16, s, p, rng.choice(777, 40, replace=False)))
+    # the largest scan and the smallest shape check, the manager's shape
+    slots = rng.permutation(8).astype(np.int32)
+    s = np.repeat(slots, 128).astype(np.int32)
+    p = (np.tile(np.arange(128), 8) + np.repeat(rng.integers(0, 5000, 8), 128)).astype(np.int32)
+    cases.append(("8 x 128", 8, s, p, rng.choice(1024, 10, replace=False)))
+    cases.append(("8 x 128 and a row", 9, np.r_[s, 8].astype(np.int32),
+                  np.r_[p, 77].astype(np.int32), np.array([1024, 3])))
+    # grouped runs of odd lengths, padding and bad slots between them, NaN
+    # rows, 3,001 rows (the 4-row loads' last group partial; runs starting
+    # inside a group and at a group's first row)
+    lengths = rng.integers(1, 200, 23)
+    lengths[-1] = 3001 - 3 - lengths[:-1].sum()
+    assert lengths[-1] > 0
+    order = rng.permutation(23).astype(np.int32)
+    s = np.repeat(order, lengths).astype(np.int32)
+    p = np.concatenate([np.arange(n) + rng.integers(0, 7000) for n in lengths]).astype(np.int32)
+    cuts = np.cumsum(lengths)[[3, 9, 15]]
+    s = np.insert(s, cuts, [-1, 99, -7]).astype(np.int32)
+    p = np.insert(p, cuts, [0, 5, 5]).astype(np.int32)
+    cases.append(("grouped 3001", 23, s, p, rng.choice(3001, 30, replace=False)))
+    # the check at size, any order, a row count off a multiple of 4
+    s = rng.integers(-1, 40, 5003).astype(np.int32)
+    p = rng.integers(-3, 8200, 5003).astype(np.int32)
+    cases.append(("random 5003", 40, s, p, rng.choice(5003, 60, replace=False)))
     cases.append(("one row", 4, np.array([1], np.int32), np.array([5], np.int32),
                   np.array([], int)))
     cases.append(("no rows", 4, np.zeros(0, np.int32), np.zeros(0, np.int32), np.array([], int)))
@@ -424,8 +454,10 @@ def _append_cases():
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=CUDA)])
 def test_cuda_append_matches_cpu(case, fmt, mark):
     """The CUDA append kernel's paths (the per-token scan of a call of at most
-    1024 rows; above, the shape check, with clusters from 16384 rows, then
-    grouped runs or any order) and their edge cases, byte for byte against
+    1024 rows, its metadata searched in global memory up to 64 rows and staged
+    in shared memory above; above 1024, the shape check, 4 rows a load, with
+    clusters from 16384 rows, then grouped runs or any order) and their edge
+    cases, byte for byte against
     the CPU handler (called eagerly on CPU arrays); two layers, so layer 1
     of the first call stays as the second call finds it."""
     _, nreq, slot, pos, nan_rows = case
