@@ -147,11 +147,12 @@ __device__ __forceinline__ uint4 DequantChunkFast(uint32_t c0, uint32_t c1, floa
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// One row's bytes that a producer lane loads: lane q of the row's four owns
-// 16-byte code pieces q, q + 4, ... (bf16 pools: 16-byte chunks q, q + 4, ...
-// of the whole row), so a quad reads 64 contiguous bytes a load.
+// One fp8 row's bytes that a producer lane loads: lane q of the row's four
+// owns 16-byte code pieces q, q + 4, ... and RoPE pieces q, q + 4, so a quad
+// reads 64 contiguous bytes a load (DequantRowsToTile copies bf16 rows in the
+// same quads without it).
 struct RowPart {
-  uint4 v[kFp8Loads + kRopeLoads];   // fp8: the codes, then RoPE; bf16: the first 9 chunks
+  uint4 v[kFp8Loads + kRopeLoads];   // the codes, then RoPE
   uint32_t scale[3];                 // ds_fp8: the words holding the row's 7 scale bytes
   int soff;                          // the first scale byte in them
 };
