@@ -5,9 +5,10 @@
 // cuda/flush_block.cuh (UseWindowPlan below picks by shape alone).
 //
 // Classification: every block scans the call's metadata (8 bytes a row) into
-// two bitmaps of R bits in its shared memory: the slots that start a run of
-// rows, and the irregular slots (a second run, a step of position other
-// than +1, or a position outside the block table). No scratch result and no
+// three bitmaps of R bits in its shared memory: the slots that start a run
+// of rows, the irregular slots (a second run, a step of position other than
+// +1, or a position outside the block table), and the slots with more than
+// kSerialRunRows rows. No scratch result and no
 // extra launch; the price is that every block reads all of it (32 KiB at
 // T = 4k, 512 KiB at 64k), which dominates single calls of 64k rows.
 //
@@ -16,7 +17,11 @@
 // reading or leaving the carried accumulators), a row at the start of a
 // window whose entry is a middle entry (two metadata loads decide it), an
 // irregular request's first row (the serial flush_kernel::WalkRequest, the
-// whole block). Rows are counted (MISSING_BLOCK, NONFINITE) by the entry that
+// whole block), or a short request's first row (at most kSerialRunRows
+// rows: the same serial walk; a verify or commit step's 1 + k rows a
+// request). A warp an entry only pays where a request has middle entries to
+// run side by side: a short request's few edge entries in order on one warp
+// took 85 us where the block's walk of its rows takes a few. Rows are counted (MISSING_BLOCK, NONFINITE) by the entry that
 // folds their b half (HCA: their entry), so once each.
 //
 // CSA (flush_entry_warp.cuh): one warp an entry, 32 rows a block, so 8
@@ -47,22 +52,32 @@ namespace flush_kernel {
 // Calls of at least this many rows take the window plan (prefill); smaller
 // ones (decode: a row or a few per request) keep the serial kernel.
 constexpr int64_t kPlanMinRows = 256;
-// The two slot bitmaps (2 x 16 KiB) and the warps' scratch must fit a
+// The three slot bitmaps (3 x 16 KiB) and the warps' scratch must fit a
 // block's shared memory.
 constexpr int64_t kPlanMaxSlots = int64_t{1} << 17;
+// A regular request of at most this many rows is walked serially by one
+// block, as the decode kernel walks it.
+constexpr int64_t kSerialRunRows = 16;
 
 inline bool UseWindowPlan(int64_t T, int64_t R) {
   return T >= kPlanMinRows && R <= kPlanMaxSlots;
 }
 __host__ __device__ inline int64_t PlanBitmapWords(int64_t R) { return (R + 31) / 32; }
+constexpr int kPlanBitmaps = 3;
 // Where the warps' scratch starts in a plan block's dynamic shared memory,
 // after the bitmaps (16-byte aligned).
 __host__ __device__ inline int64_t PlanScratchOffset(int64_t R) {
-  return (2 * PlanBitmapWords(R) * 4 + 15) / 16 * 16;
+  return (kPlanBitmaps * PlanBitmapWords(R) * 4 + 15) / 16 * 16;
 }
 
 // The work items a block found among its rows.
-enum PlanRole : int { kEdge = 0, kMiddle = 1, kIrregular = 2, kEdgeRead = 3, kEdgeWrite = 4 };
+enum PlanRole : int {
+  kEdge = 0, kMiddle = 1, kIrregular = 2, kEdgeRead = 3, kEdgeWrite = 4, kShort = 5
+};
+// Whether a block-wide serial walk runs the item (after the warps' items).
+__device__ __forceinline__ bool WalkedByBlock(int role) {
+  return role == kIrregular || role == kShort;
+}
 
 // A block's list of work items of one round of rows.
 struct PlanShared {
@@ -80,8 +95,11 @@ __device__ __forceinline__ bool SlotBit(const uint32_t* bits, int64_t s) {
   return (bits[s >> 5] >> (s & 31)) & 1u;
 }
 
-// Fills the run-start bitmap (bits[0 .. words)) and the irregular-slot
-// bitmap (bits[words .. 2 words)) from every row of the call.
+// Fills the run-start bitmap (bits[0 .. words)), the irregular-slot bitmap
+// (bits[words .. 2 words)) and the long-run bitmap (bits[2 words .. 3
+// words): a row kSerialRunRows after a row of its slot; a regular slot's
+// rows are one run, so its bit says the run is longer than that) from every
+// row of the call.
 __device__ inline void ClassifySlots(const FlushArgs& a, uint32_t* bits, int64_t words) {
   for (int64_t t = threadIdx.x; t < a.T; t += kThreads) {
     const int64_t s = __ldg(a.slot + t);
@@ -95,6 +113,8 @@ __device__ inline void ClassifySlots(const FlushArgs& a, uint32_t* bits, int64_t
       irregular = irregular || (atomicOr(bits + (s >> 5), bit) & bit) != 0;
     }
     if (irregular) atomicOr(bits + words + (s >> 5), bit);
+    if (t >= kSerialRunRows && __ldg(a.slot + t - kSerialRunRows) == s)
+      atomicOr(bits + 2 * words + (s >> 5), bit);
   }
   __syncthreads();
 }
@@ -127,10 +147,11 @@ __device__ inline bool FirstRowOfSlot(const FlushArgs& a, int64_t s, int64_t t) 
 // ---- the block ----------------------------------------------------------------------
 // The role of row t (slot s, already known valid), or -1.
 template <bool kCsa>
-__device__ __forceinline__ int RowRole(const FlushArgs& a, const uint32_t* irregular, int64_t s,
-                                       int64_t t) {
+__device__ __forceinline__ int RowRole(const FlushArgs& a, const uint32_t* irregular,
+                                       const uint32_t* long_run, int64_t s, int64_t t) {
   const bool first_of_run = t == 0 || __ldg(a.slot + t - 1) != s;
   if (SlotBit(irregular, s)) return first_of_run ? kIrregular : -1;
+  if (!SlotBit(long_run, s)) return first_of_run ? kShort : -1;
   if (first_of_run) return kEdge;
   constexpr int64_t m = kCsa ? kCsaRatio : kHcaRatio;
   if (__ldg(a.pos + t) % m != 0) return -1;
@@ -219,13 +240,14 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
   const int64_t words = PlanBitmapWords(a.R);
   uint32_t* bits = reinterpret_cast<uint32_t*>(smem);
   WarpScratch* scratch = reinterpret_cast<WarpScratch*>(smem + PlanScratchOffset(a.R));
-  for (int64_t i = threadIdx.x; i < 2 * words; i += kThreads) bits[i] = 0u;
+  for (int64_t i = threadIdx.x; i < kPlanBitmaps * words; i += kThreads) bits[i] = 0u;
   __syncthreads();
   cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
   int64_t l;
   if (!cuda::LayerOkCountedBy(block == 0, a.layer, a.L, a.errors, &l)) return;
   ClassifySlots(a, bits, words);
   const uint32_t* irregular = bits + words;
+  const uint32_t* long_run = bits + 2 * words;
   const int64_t begin = a.T * block / blocks, end = a.T * (block + 1) / blocks;
   const int warp = threadIdx.x >> 5;
   int bad_slot = 0;
@@ -241,7 +263,7 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
       if (s != -1 && (s < 0 || s >= a.R)) {
         ++bad_slot;
       } else if (s >= 0) {
-        const int role = RowRole<kCsa>(a, irregular, s, t);
+        const int role = RowRole<kCsa>(a, irregular, long_run, s, t);
         if (role >= 0) QueueRow<kCsa>(a, s, t, role, ps);
       }
     }
@@ -252,17 +274,18 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
       // its items in increasing order, so an entry waiting for the reading
       // entries of its request never waits on its own warp
       for (int i = warp; i < items; i += kWarpsPerBlock)
-        if (ps.item_role[i] != kIrregular) RunItemWarp(a, l, i, ps, scratch[warp]);
+        if (!WalkedByBlock(ps.item_role[i])) RunItemWarp(a, l, i, ps, scratch[warp]);
     } else {
       for (int i = 0; i < items; ++i)
-        if (ps.item_role[i] != kIrregular) RunItemBlock(a, l, ps.item_row[i], ps.item_role[i], sh, ps.vote);
+        if (!WalkedByBlock(ps.item_role[i])) RunItemBlock(a, l, ps.item_row[i], ps.item_role[i], sh, ps.vote);
     }
     __syncthreads();
-    // irregular requests: the serial walk, the whole block
+    // irregular and short requests: the serial walk, the whole block (a
+    // short request is regular: its run's first row is its first row)
     for (int i = 0; i < items; ++i) {
-      if (ps.item_role[i] != kIrregular) continue;
+      if (!WalkedByBlock(ps.item_role[i])) continue;
       const int64_t tt = ps.item_row[i], s = __ldg(a.slot + tt);
-      if (FirstRowOfSlot(a, s, tt)) {
+      if (ps.item_role[i] == kShort || FirstRowOfSlot(a, s, tt)) {
         StageChannelParams<kCsa, Part::kAll>(a, sh);
         WalkRequest<kCsa, Part::kAll>(a, l, s, tt, __ldg(a.pos + tt), sh, SearchRows{a, s, sh});
       }
@@ -280,8 +303,8 @@ __global__ void __launch_bounds__(kThreads, 1) FlushPlanKernel(FlushArgs a) {
   FlushPlanBlock<kCsa>(a, blockIdx.x, gridDim.x, smem, sh, ps);
 }
 
-// Dynamic shared memory of a plan block: the two slot bitmaps, then (CSA)
-// the warps' scratch.
+// Dynamic shared memory of a plan block: the slot bitmaps, then (CSA) the
+// warps' scratch.
 template <bool kCsa>
 inline size_t PlanSmem(int64_t R) {
   return static_cast<size_t>(PlanScratchOffset(R) +
@@ -290,11 +313,14 @@ inline size_t PlanSmem(int64_t R) {
 // CSA: 32 rows a block: 8 middle entries, a warp each, and room for a long
 // request's four edge entries beside them, so the edge chain (readers, then
 // the entries that leave accumulators) starts at once; HCA: a block an
-// entry, grid-stride.
+// entry, grid-stride. Either at least a block a multiprocessor (a row a
+// block below that), so that short requests' walks, a block each, run side
+// by side.
 template <bool kCsa>
 inline unsigned PlanGrid(int64_t T) {
-  if (!kCsa) return cuda::GridFor(T, 16, 2);
-  const int64_t blocks = (T + 31) / 32;
+  const int64_t by_entries = kCsa ? (T + 31) / 32 : cuda::GridFor(T, 16, 2);
+  const int64_t by_walks = T < cuda::SmCount() ? T : cuda::SmCount();
+  const int64_t blocks = by_entries > by_walks ? by_entries : by_walks;
   return static_cast<unsigned>(blocks < 1 ? 1 : blocks);
 }
 

@@ -11,7 +11,8 @@ fallbacks. Two oracles:
 Cases: one request x 4096 rows starting mid-window (carried accumulators),
 several requests of uneven chunks, CSA and HCA, ds_fp8 and bf16 pools; NaN
 rows and a missing block inside regular requests; an irregular request in
-the call beside regular ones; a decode-sized call (the serial kernel);
+the call beside regular ones; many short requests (a verify step's) beside
+long ones; a decode-sized call (the serial kernel);
 write_layer's prefill launch."""
 import jax
 import numpy as np
@@ -58,8 +59,8 @@ def _chunked(state, kind, slots, pos, proj, prm, size=PLAN_MIN_ROWS - 1, whole_t
 
 
 def _check(kind, fmt, slots, pos, *, nan_rows=(), missing=(), seed=0, serial_oracle=True,
-           whole_tail=0):
-    st = prefill_state(fmt, max_context=MAX_CONTEXT, missing=missing, seed=seed,
+           whole_tail=0, R=4):
+    st = prefill_state(fmt, R=R, max_context=MAX_CONTEXT, missing=missing, seed=seed,
                        empty_slots=(2,))
     proj = projections(kind, len(slots), seed=seed + 5, nan_rows=nan_rows)
     prm = params(kind, seed=seed + 9)
@@ -132,6 +133,30 @@ def test_irregular_request_beside_regular_ones(kind):
     out = _check(kind, "bf16", np.concatenate([slots, s3]), np.concatenate([pos, p3]), seed=7,
                  whole_tail=len(s3))
     assert out.errors[EK.BAD_POSITION] == 6   # slot 3's rows after its jump (expected 30..35)
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+@pytest.mark.parametrize("fmt", ["ds_fp8", "bf16"])
+def test_short_requests_in_a_plan_sized_call(kind, fmt):
+    """A verify or commit step's shape: many requests of a few rows each (the
+    plan kernel walks those of at most kSerialRunRows = 16 rows serially, a
+    block each) beside requests of 17 and 300 rows (the plan's entries), at
+    positions crossing windows, padding between, NaN rows and a missing
+    block inside short requests."""
+    rng = np.random.default_rng(13)
+    lengths = [4] * 40 + [1, 2, 3, 5, 7, 8, 9, 15, 16, 16, 17, 17, 300, 1, 4, 4]
+    runs = [(s, int(rng.integers(0, MAX_CONTEXT - n)), n) for s, n in enumerate(lengths)]
+    runs[3] = (3, 127, 4)          # crosses an HCA window and a block
+    runs[4] = (4, 2 * 128 - 2, 4)  # into a block that is missing
+    slots, pos = rows(*runs[:30], pad=1)
+    s2, p2 = rows(*runs[30:])
+    slots, pos = np.concatenate([slots, s2]), np.concatenate([pos, p2])
+    assert len(slots) >= PLAN_MIN_ROWS
+    short = [t for t in range(len(slots)) if 0 <= slots[t] < 40]
+    nan_rows = sorted(rng.choice(short, 6, replace=False))
+    out = _check(kind, fmt, slots, pos, nan_rows=nan_rows, missing=[(4, 2)], seed=14,
+                 R=len(lengths))
+    assert out.errors[EK.MISSING_BLOCK] == 2   # slot 4's positions 256, 257
 
 
 @pytest.mark.parametrize("kind", [C.CSA, C.HCA])
