@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(kThreads) FlushKernel(FlushArgs a) {
 
 template <bool kCsa>
 ffi::Error LaunchFlush(cudaStream_t stream, const FlushArgs& a, const char* what) {
-  if (flush_kernel::UseWindowPlan(a.T, a.R))
+  if (flush_kernel::UseWindowPlan(a))
     return cuda::LaunchResult(flush_kernel::LaunchFlushPlan<kCsa>(stream, a), what);
   return cuda::LaunchResult(
       cuda::LaunchOverlapped(FlushKernel<kCsa>, dim3(flush_kernel::FlushGrid(a.T)),
@@ -34,6 +34,7 @@ ffi::Error LaunchFlush(cudaStream_t stream, const FlushArgs& a, const char* what
 }
 
 ffi::Error FlushCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
+                        int64_t max_rows_per_slot,
                         ffi::AnyBuffer layer, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                         ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
                         ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
@@ -45,20 +46,21 @@ ffi::Error FlushCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_cont
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
   DSV4_RETURN_IF_ERROR(ValidateFlushCsa(
-      kv_format, max_context, layer, token_slot, token_pos, kv, score, ape, norm, inv_freq,
+      kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv, score, ape, norm, inv_freq,
       index_kv, index_score, index_ape, index_norm, index_inv_freq, block_table, rest, *comp,
       *icomp, *packed, *iscale, *errors, entry_rets, &a));
   return LaunchFlush<true>(stream, a, "flush_csa");
 }
 
 ffi::Error FlushHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
+                        int64_t max_rows_per_slot,
                         ffi::AnyBuffer layer, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                         ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
                         ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table,
                         ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> comp,
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, layer, token_slot, token_pos, kv,
+  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv,
                                         score, ape, norm, inv_freq, block_table, rest, *comp,
                                         *errors, entry_rets, &a));
   return LaunchFlush<false>(stream, a, "flush_hca");

@@ -2,7 +2,8 @@
 // dsv4/flush_windows.h run in parallel over (request, entry), shared by the
 // flush kernels (cuda/flush.cu) and write_layer's prefill launch
 // (cuda/write_layer.cu). Decode-sized calls keep the serial kernel of
-// cuda/flush_block.cuh (UseWindowPlan below picks by shape alone).
+// cuda/flush_block.cuh (UseWindowPlan below picks by shape and the caller's
+// bound on a request's rows).
 //
 // Classification: every block scans the call's metadata (8 bytes a row) into
 // three bitmaps of R bits in its shared memory: the slots that start a run
@@ -50,7 +51,10 @@ namespace dsv4 {
 namespace flush_kernel {
 
 // Calls of at least this many rows take the window plan (prefill); smaller
-// ones (decode: a row or a few per request) keep the serial kernel.
+// ones (decode: a row or a few per request) keep the serial kernel, and so
+// do larger ones whose caller bounds every request to kSerialRunRows rows
+// (a verify or commit step: 1 + k rows a request), which the plan would
+// walk serially anyway, in a second launch.
 constexpr int64_t kPlanMinRows = 256;
 // The three slot bitmaps (3 x 16 KiB) and the warps' scratch must fit a
 // block's shared memory.
@@ -59,8 +63,9 @@ constexpr int64_t kPlanMaxSlots = int64_t{1} << 17;
 // block, as the decode kernel walks it.
 constexpr int64_t kSerialRunRows = 16;
 
-inline bool UseWindowPlan(int64_t T, int64_t R) {
-  return T >= kPlanMinRows && R <= kPlanMaxSlots;
+inline bool UseWindowPlan(const FlushArgs& a) {
+  const bool short_runs = a.max_rows_per_slot >= 1 && a.max_rows_per_slot <= kSerialRunRows;
+  return a.T >= kPlanMinRows && a.R <= kPlanMaxSlots && !short_runs;
 }
 __host__ __device__ inline int64_t PlanBitmapWords(int64_t R) { return (R + 31) / 32; }
 constexpr int kPlanBitmaps = 3;
@@ -324,7 +329,7 @@ inline unsigned PlanGrid(int64_t T) {
   return static_cast<unsigned>(blocks < 1 ? 1 : blocks);
 }
 
-// The prefill launch (UseWindowPlan(a.T, a.R) holds), overlapped with its
+// The prefill launch (UseWindowPlan(a) holds), overlapped with its
 // predecessor's tail as the other write kernels are.
 template <bool kCsa>
 cudaError_t LaunchFlushPlan(cudaStream_t stream, const FlushArgs& a) {

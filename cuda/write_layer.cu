@@ -73,14 +73,14 @@ inline int64_t LeastScanBlocks(int64_t T) {
 // still run in one wave. Then a request's chain is its main entry's, as on an
 // HCA layer, with the indexer key's shorter one on a multiprocessor beside it.
 inline bool SplitFits(const FlushArgs& f, int64_t append_rows) {
-  if (flush_kernel::UseWindowPlan(f.T, f.R)) return false;
+  if (flush_kernel::UseWindowPlan(f)) return false;
   return 2 * int64_t{flush_kernel::FlushGrid(f.T)} + LeastScanBlocks(append_rows) <=
          cuda::SmCount();
 }
 
 template <bool kCsa, FlushLayout kLayout>
 ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, const char* what) {
-  const bool prefill = flush_kernel::UseWindowPlan(w.flush.T, w.flush.R);
+  const bool prefill = flush_kernel::UseWindowPlan(w.flush);
   const int64_t parts = kLayout == FlushLayout::kSplit ? 2 : 1;
   const int64_t per_part = prefill ? 0 : flush_kernel::FlushGrid(w.flush.T);
   // a scan role takes the multiprocessors the flush role leaves, so that
@@ -115,6 +115,7 @@ ffi::Error LaunchChosen(cudaStream_t stream, const WriteLayerArgs& w, const char
 }
 
 ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
+                        int64_t max_rows_per_slot,
                              ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
                              ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                              ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
@@ -125,13 +126,14 @@ ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
   WriteLayerArgs w;
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(
-      kv_format, max_context, window_layer, layer, token_slot, token_pos, kv, comp_kv,
+      kv_format, max_context, max_rows_per_slot, window_layer, layer, token_slot, token_pos, kv, comp_kv,
       comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
       index_inv_freq, block_table, args, rets, &w));
   return LaunchChosen<true>(stream, w, "write_layer_csa");
 }
 
 ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
+                        int64_t max_rows_per_slot,
                              ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
                              ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                              ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
@@ -139,7 +141,7 @@ ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
                              ffi::AnyBuffer block_table, ffi::RemainingArgs args,
                              ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, window_layer, layer,
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, max_rows_per_slot, window_layer, layer,
                                              token_slot, token_pos, kv, comp_kv, comp_score, ape,
                                              norm, inv_freq, block_table, args, rets, &w));
   return LaunchChosen<false>(stream, w, "write_layer_hca");

@@ -31,7 +31,12 @@ class StepMeta:
     reset_slots i32[NR]     slots of newly admitted requests, -1 = padding
 
     Static sizes: num_tokens T, num_requests R (per shard), num_new_blocks NB,
-    num_resets NR, each a power of two when `CacheManager` builds it. Sharded,
+    num_resets NR, each a power of two when `CacheManager` builds it.
+    `max_rows_per_slot` (static, 0 = none given) bounds the rows any one slot
+    has in the step: a hint for the CUDA writes' choice of kernel (a bound of
+    at most 16 walks each request serially, as at decode), never a reason for
+    another result; a step that breaks it is written right, only slower.
+    verify_begin and verify_commit set it to 1 + drafts. Sharded,
     `data` holds one packed array per shard, shard after shard, and each
     field reads every shard's rows in shard order (token_slot: S * T rows).
     """
@@ -40,6 +45,7 @@ class StepMeta:
     num_requests: int = dataclasses.field(metadata=dict(static=True))
     num_new_blocks: int = dataclasses.field(metadata=dict(static=True))
     num_resets: int = dataclasses.field(metadata=dict(static=True))
+    max_rows_per_slot: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     # offsets of each field in `data`
     def _span(self, field: str) -> tuple[int, int]:
@@ -99,10 +105,16 @@ class StepMeta:
 
     @classmethod
     def build(cls, *, token_slot, token_pos, lengths, new_blocks=None, reset_slots=None,
-              device_put: bool = True) -> "StepMeta":
+              device_put: bool = True, max_rows_per_slot: int = 0) -> "StepMeta":
         """Pack host arrays. `new_blocks` may be shaped [NB, 3] or empty; missing
         fields are empty. With `device_put`, the packed array goes to the
-        default device in one transfer; else it stays a numpy array."""
+        default device in one transfer; else it stays a numpy array.
+        `max_rows_per_slot`: see the class."""
+        if isinstance(max_rows_per_slot, bool) or not isinstance(max_rows_per_slot,
+                                                                  (int, np.integer)) \
+                or max_rows_per_slot < 0:
+            raise ValueError(f"max_rows_per_slot: expected an int >= 0 (0: no bound), "
+                             f"got {max_rows_per_slot!r}")
         token_slot = np.asarray(token_slot, np.int32).reshape(-1)
         token_pos = np.asarray(token_pos, np.int32).reshape(-1)
         if token_slot.shape != token_pos.shape:
@@ -117,7 +129,8 @@ class StepMeta:
                                reset_slots])
         if device_put:
             data = jax.device_put(data)
-        return cls(data, len(token_slot), len(lengths), len(new_blocks), len(reset_slots))
+        return cls(data, len(token_slot), len(lengths), len(new_blocks), len(reset_slots),
+                   int(max_rows_per_slot))
 
     def check(self, config) -> None:
         """Trace-time checks against a config (ValueError naming the field).

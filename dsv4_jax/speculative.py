@@ -285,7 +285,9 @@ def verify_begin(state: CacheState, meta: StepMeta, *, drafts: int,
                                     rows={"meta": meta}, drafts=drafts, impl=impl)
     else:
         ids, rows, data = _begin_body(state, meta, drafts, impl)
-    verified = dataclasses.replace(meta, data=data)
+    # each slot has at most 1 + drafts verified rows: the CUDA flush of
+    # verify_layer walks them as at decode (StepMeta.max_rows_per_slot)
+    verified = dataclasses.replace(meta, data=data, max_rows_per_slot=1 + drafts)
     return VerifyStep(meta, verified, ids, tuple(rows), drafts)
 
 
@@ -347,4 +349,5 @@ def verify_commit(state: CacheState, spec: VerifyStep, accepted: jax.Array, *,
                                       "accepted": accepted}, drafts=drafts, impl=impl)
     else:
         state, data = _commit_body(state, spec.meta, spec.ids, spec.rows, accepted, drafts, impl)
-    return state, dataclasses.replace(spec.meta, data=data)
+    # kept rows: at most 1 + drafts a slot, as verified
+    return state, dataclasses.replace(spec.meta, data=data, max_rows_per_slot=1 + drafts)

@@ -90,6 +90,9 @@ struct CompressorView {
 struct FlushArgs {
   bool csa = false;
   int64_t T = 0, L = 0, R = 0, MB = 0, N = 0, per_block = 0, max_context = 0;
+  // The caller's static bound on any slot's rows in the call (0: none): a
+  // hint for the kernel's choice only, never a reason for another result.
+  int64_t max_rows_per_slot = 0;
   const int32_t* layer = nullptr;
   const int32_t* slot = nullptr;
   const int32_t* pos = nullptr;
@@ -129,6 +132,7 @@ auto BindFlushCsa(Binding binding) {
   return BindCompressorArgs<true>(std::move(binding)
                                       .template Attr<int64_t>("kv_format")
                                       .template Attr<int64_t>("max_context")
+                                      .template Attr<int64_t>("max_rows_per_slot")
                                       .template Arg<ffi::AnyBuffer>()   // layer
                                       .template Arg<ffi::AnyBuffer>()   // token_slot
                                       .template Arg<ffi::AnyBuffer>())  // token_pos
@@ -146,6 +150,7 @@ auto BindFlushHca(Binding binding) {
   return BindCompressorArgs<false>(std::move(binding)
                                        .template Attr<int64_t>("kv_format")
                                        .template Attr<int64_t>("max_context")
+                                       .template Attr<int64_t>("max_rows_per_slot")
                                        .template Arg<ffi::AnyBuffer>()   // layer
                                        .template Arg<ffi::AnyBuffer>()   // token_slot
                                        .template Arg<ffi::AnyBuffer>())  // token_pos
@@ -182,11 +187,15 @@ inline ffi::Error BindCompressorInputs(const std::string& prefix, const std::str
 }
 
 // The checks common to both kinds: attributes, layer, token metadata, block table.
-inline ffi::Error BindFlushCommon(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+inline ffi::Error BindFlushCommon(int64_t kv_format, int64_t max_context,
+                                  int64_t max_rows_per_slot, ffi::AnyBuffer layer,
                                   ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                                   ffi::AnyBuffer block_table, FlushArgs* a) {
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   DSV4_RETURN_IF_ERROR(CheckMaxContext(max_context));
+  if (max_rows_per_slot < 0)
+    return ffi::Error::InvalidArgument("max_rows_per_slot: expected >= 0 (0: no bound), got " +
+                                       std::to_string(max_rows_per_slot));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
   DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {-1}));
   a->T = token_slot.dimensions()[0];
@@ -195,6 +204,7 @@ inline ffi::Error BindFlushCommon(int64_t kv_format, int64_t max_context, ffi::A
   a->R = block_table.dimensions()[0];
   a->MB = block_table.dimensions()[1];
   a->max_context = max_context;
+  a->max_rows_per_slot = max_rows_per_slot;
   a->layer = static_cast<const int32_t*>(layer.untyped_data());
   a->slot = static_cast<const int32_t*>(token_slot.untyped_data());
   a->pos = static_cast<const int32_t*>(token_pos.untyped_data());
@@ -212,7 +222,8 @@ inline ffi::Error CheckAliasedCounts(const char* what, size_t args, size_t rets)
 }
 
 inline ffi::Error ValidateFlushCsa(
-    int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
+    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot, ffi::AnyBuffer layer,
+    ffi::AnyBuffer token_slot,
     ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
     ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
     ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
@@ -223,7 +234,7 @@ inline ffi::Error ValidateFlushCsa(
   FlushArgs a;
   a.csa = true;
   DSV4_RETURN_IF_ERROR(
-      BindFlushCommon(kv_format, max_context, layer, token_slot, token_pos, block_table, &a));
+      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, block_table, &a));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 2, kCsaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs("index_", "params.index.", a.T, kIndexDim, 2,
@@ -252,7 +263,8 @@ inline ffi::Error ValidateFlushCsa(
   return ffi::Error::Success();
 }
 
-inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
+                                   int64_t max_rows_per_slot, ffi::AnyBuffer layer,
                                    ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                                    ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
                                    ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
@@ -263,7 +275,7 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context, ffi::
   FlushArgs a;
   a.csa = false;
   DSV4_RETURN_IF_ERROR(
-      BindFlushCommon(kv_format, max_context, layer, token_slot, token_pos, block_table, &a));
+      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, block_table, &a));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 1, kHcaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
   DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_hca", num_aliased_args, 2 + leaves.size()));
@@ -282,7 +294,8 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context, ffi::
 
 // The same two, for flush's own handlers (aliased operands as remaining ones).
 inline ffi::Error ValidateFlushCsa(
-    int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
+    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot, ffi::AnyBuffer layer,
+    ffi::AnyBuffer token_slot,
     ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
     ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
     ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
@@ -291,13 +304,14 @@ inline ffi::Error ValidateFlushCsa(
     ffi::AnyBuffer errors, const ffi::RemainingRets& entry_rets, FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
-  return ValidateFlushCsa(kv_format, max_context, layer, token_slot, token_pos, kv, score, ape,
+  return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv, score, ape,
                           norm, inv_freq, index_kv, index_score, index_ape, index_norm,
                           index_inv_freq, block_table, rest.size(), comp, icomp, packed, iscale,
                           errors, leaves, out);
 }
 
-inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
+                                   int64_t max_rows_per_slot, ffi::AnyBuffer layer,
                                    ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                                    ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
                                    ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
@@ -306,7 +320,7 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context, ffi::
                                    const ffi::RemainingRets& entry_rets, FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
-  return ValidateFlushHca(kv_format, max_context, layer, token_slot, token_pos, kv, score, ape,
+  return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv, score, ape,
                           norm, inv_freq, block_table, rest.size(), comp, errors, leaves, out);
 }
 

@@ -32,6 +32,7 @@ auto BindWriteLayer(Binding binding) {
   return BindCompressorArgs<kCsa>(std::move(binding)
                                       .template Attr<int64_t>("kv_format")
                                       .template Attr<int64_t>("max_context")
+                                      .template Attr<int64_t>("max_rows_per_slot")
                                       .template Arg<ffi::AnyBuffer>()   // window_layer
                                       .template Arg<ffi::AnyBuffer>()   // layer
                                       .template Arg<ffi::AnyBuffer>()   // token_slot
@@ -82,7 +83,8 @@ inline ffi::Error ValidateWriteLayerWindow(const std::string& what, int64_t kv_f
 }
 
 inline ffi::Error ValidateWriteLayerCsa(
-    int64_t kv_format, int64_t max_context, ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
+    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
+    ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
     ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
     ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
     ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv, ffi::AnyBuffer index_score,
@@ -93,7 +95,7 @@ inline ffi::Error ValidateWriteLayerCsa(
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_csa", kv_format, max_context,
                                                 window_layer, token_slot, token_pos, kv, 5, args,
                                                 rets, out, &fa));
-  return ValidateFlushCsa(kv_format, max_context, layer, token_slot, token_pos, comp_kv,
+  return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, comp_kv,
                           comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape,
                           index_norm, index_inv_freq, block_table, 5 + fa.leaves.size(),
                           fa.fixed[0], fa.fixed[1], fa.fixed[2], fa.fixed[3], fa.fixed[4],
@@ -101,7 +103,8 @@ inline ffi::Error ValidateWriteLayerCsa(
 }
 
 inline ffi::Error ValidateWriteLayerHca(
-    int64_t kv_format, int64_t max_context, ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
+    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
+    ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
     ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
     ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
     ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table, const ffi::RemainingArgs& args,
@@ -110,7 +113,7 @@ inline ffi::Error ValidateWriteLayerHca(
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_hca", kv_format, max_context,
                                                 window_layer, token_slot, token_pos, kv, 2, args,
                                                 rets, out, &fa));
-  return ValidateFlushHca(kv_format, max_context, layer, token_slot, token_pos, comp_kv,
+  return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, comp_kv,
                           comp_score, ape, norm, inv_freq, block_table, 2 + fa.leaves.size(),
                           fa.fixed[0], fa.fixed[1], fa.leaves, &out->flush, "comp_");
 }

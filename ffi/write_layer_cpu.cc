@@ -14,7 +14,8 @@ void WriteLayerOnHost(const WriteLayerArgs& w, void (*flush)(const FlushArgs&, i
   if (HostLayerOk(w.flush.layer, w.flush.L, w.flush.errors, &l)) flush(w.flush, l);
 }
 
-ffi::Error WriteLayerCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer window_layer,
+ffi::Error WriteLayerCsaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
+                        ffi::AnyBuffer window_layer,
                              ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                              ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv,
                              ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
@@ -25,21 +26,22 @@ ffi::Error WriteLayerCsaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuf
                              ffi::RemainingRets rets) {
   WriteLayerArgs w;
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(
-      kv_format, max_context, window_layer, layer, token_slot, token_pos, kv, comp_kv,
+      kv_format, max_context, max_rows_per_slot, window_layer, layer, token_slot, token_pos, kv, comp_kv,
       comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
       index_inv_freq, block_table, args, rets, &w));
   WriteLayerOnHost(w, FlushCsaOnHost);
   return ffi::Error::Success();
 }
 
-ffi::Error WriteLayerHcaImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer window_layer,
+ffi::Error WriteLayerHcaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
+                        ffi::AnyBuffer window_layer,
                              ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                              ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv,
                              ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
                              ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table,
                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, window_layer, layer,
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, max_rows_per_slot, window_layer, layer,
                                              token_slot, token_pos, kv, comp_kv, comp_score, ape,
                                              norm, inv_freq, block_table, args, rets, &w));
   WriteLayerOnHost(w, FlushHcaOnHost);

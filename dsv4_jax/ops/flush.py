@@ -189,4 +189,5 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
                                                   index_score)
     return rebuild(ffi_in_place(target, [layer_idx, meta.token_slot, meta.token_pos, *inputs],
                                 aliased, kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
-                                max_context=cfg.max_context))
+                                max_context=cfg.max_context,
+                                max_rows_per_slot=meta.max_rows_per_slot))

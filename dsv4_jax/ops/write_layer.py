@@ -117,5 +117,5 @@ def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
                                                     index_kv, index_score)
     out = ffi_in_place(target, [window_idx, layer_idx, slot, pos, kv, *inputs],
                        [*window, *aliased], kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
-                       max_context=cfg.max_context)
+                       max_context=cfg.max_context, max_rows_per_slot=meta.max_rows_per_slot)
     return put_window(put_flush(out[len(window):]), out[:len(window)])

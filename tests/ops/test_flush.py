@@ -204,14 +204,31 @@ def test_flush_hca_bad_ape(st):
     args, aliased = hca_flush_args(st, ape_rows=4)
     with pytest.raises(Exception, match=r"params.ape: expected shape \[128, 512\], got \[4, 512\]"):
         jax.block_until_ready(call("dsv4_flush_hca", args, aliased,
-                                   {9 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256))
+                                   {9 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256,
+                                   max_rows_per_slot=0))
 
 
 def test_flush_hca_bf16_projection_rejected(st):
     args, aliased = hca_flush_args(st, kv_dtype=jnp.bfloat16)
     with pytest.raises(Exception, match=r"kv: expected dtype float32, got bfloat16"):
         jax.block_until_ready(call("dsv4_flush_hca", args, aliased,
-                                   {9 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256))
+                                   {9 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256,
+                                   max_rows_per_slot=0))
+
+
+def test_flush_negative_row_bound_rejected(st):
+    args, aliased = hca_flush_args(st)
+    with pytest.raises(Exception, match=r"max_rows_per_slot: expected >= 0 \(0: no bound\), "
+                                        r"got -1"):
+        jax.block_until_ready(call("dsv4_flush_hca", args, aliased,
+                                   {9 + i: i for i in range(len(aliased))}, kv_format=0,
+                                   max_context=256, max_rows_per_slot=-1))
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.0])
+def test_step_meta_row_bound_checked(bad):
+    with pytest.raises(ValueError, match=r"max_rows_per_slot: expected an int >= 0"):
+        D.StepMeta.build(token_slot=[0], token_pos=[0], lengths=[1], max_rows_per_slot=bad)
 
 
 def test_flush_csa_missing_indexer_state(st):
@@ -225,7 +242,8 @@ def test_flush_csa_missing_indexer_state(st):
             *aliased]
     with pytest.raises(Exception, match=r"csa.icomp: expected dtype float32, got uint8"):
         jax.block_until_ready(call("dsv4_flush_csa", args, aliased,
-                                   {14 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256))
+                                   {14 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256,
+                                   max_rows_per_slot=0))
 
 
 # ---- in place --------------------------------------------------------------------------

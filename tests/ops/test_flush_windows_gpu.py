@@ -157,6 +157,48 @@ def test_short_requests_in_a_plan_sized_call(kind, fmt):
     out = _check(kind, fmt, slots, pos, nan_rows=nan_rows, missing=[(4, 2)], seed=14,
                  R=len(lengths))
     assert out.errors[EK.MISSING_BLOCK] == 2   # slot 4's positions 256, 257
+    # a caller's bound on a request's rows of at most 16
+    # (StepMeta.max_rows_per_slot) picks the serial kernel for this
+    # plan-sized call; a false one (requests of 17 and 300 rows break both)
+    # costs time, never bytes
+    st = prefill_state(fmt, R=len(lengths), max_context=MAX_CONTEXT, missing=[(4, 2)], seed=14,
+                       empty_slots=(2,))
+    proj = projections(kind, len(slots), seed=19, nan_rows=nan_rows)
+    prm = params(kind, seed=23)
+    for bound in (1, 16):
+        hinted = _host(call_flush(st, kind, slots, pos, proj, prm, device=_gpu(),
+                                  max_rows_per_slot=bound))
+        assert_trees_bytes_equal(hinted, out, f"{kind} max_rows_per_slot={bound} vs none ")
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+def test_write_layer_of_a_commit_step(kind):
+    """write_layer of 64 requests x 1 .. 4 rows (a commit step's kept rows),
+    positions crossing windows: with the step's bound (max_rows_per_slot 4:
+    append and the serial flush in one launch) the same bytes as without it
+    (append, then the plan kernel), and the CPU handler's up to flips."""
+    rng = np.random.default_rng(15)
+    runs = [(s, int(rng.integers(0, MAX_CONTEXT - 4)), int(rng.integers(1, 5)))
+            for s in range(64)]
+    slots, pos = rows(*runs, pad=1)
+    tail = PLAN_MIN_ROWS + 44 - len(slots)   # padding rows up to a plan-sized call
+    slots = np.concatenate([slots, np.full(tail, -1, np.int32)])
+    pos = np.concatenate([pos, np.zeros(tail, np.int32)])
+    st = prefill_state("ds_fp8", R=64, max_context=MAX_CONTEXT, seed=16, empty_slots=(2,))
+    proj = projections(kind, len(slots), seed=17, nan_rows=[5, 77])
+    prm = params(kind, seed=18)
+    window_kv = jax.numpy.asarray(np.random.default_rng(19).standard_normal((len(slots), 512)),
+                                  jax.numpy.bfloat16)
+    run = lambda bound, impl, device: _host(call_write_layer(
+        st, kind, slots, pos, window_kv, proj, prm, impl=impl, device=device,
+        max_rows_per_slot=bound))
+    bounded = run(4, "cuda", _gpu())
+    assert_trees_bytes_equal(bounded, run(0, "cuda", _gpu()), "write_layer bound 4 vs none ")
+    cpu = run(4, "cpu", jax.devices("cpu")[0])
+    flips = Flips()
+    compare_states(bounded, cpu, flips, f"write_layer {kind} cuda vs cpu ")
+    np.testing.assert_array_equal(bounded.errors, cpu.errors)
+    assert flips.fraction < MAX_FLIP_FRACTION, flips
 
 
 @pytest.mark.parametrize("kind", [C.CSA, C.HCA])

@@ -504,7 +504,8 @@ def test_ffi_operands_checked_as_append_and_flush_check_them():
                              [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased],
                              input_output_aliases={11 + i: i for i in range(len(aliased))})
         return jax.block_until_ready(f(*args, kv_format=np.int64(0),
-                                       max_context=np.int64(cfg.max_context)))
+                                       max_context=np.int64(cfg.max_context),
+                                       max_rows_per_slot=np.int64(0)))
 
     out = call()
     assert np.asarray(out[0])[0, 0, :4].tolist() == [0, 1, 2, 3]

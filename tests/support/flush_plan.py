@@ -98,9 +98,11 @@ def params(kind, seed=0):
                one(C.CSA_RATIO, 2 * C.INDEX_DIM, C.INDEX_DIM))
 
 
-def call_flush(state, kind, slots, pos, proj, prm, *, target=None, device=None):
+def call_flush(state, kind, slots, pos, proj, prm, *, target=None, device=None,
+               max_rows_per_slot=0):
     """One call of FFI `target` (default: flush's own) with flush's operands,
-    on `device` (default: the CPU). Returns the new state."""
+    on `device` (default: the CPU), with the caller's bound on a request's
+    rows (StepMeta.max_rows_per_slot). Returns the new state."""
     target = target or TARGETS[kind]
     cfg = state.config
     layer = layer_operand(cfg, LAYER[kind], kind)
@@ -110,17 +112,20 @@ def call_flush(state, kind, slots, pos, proj, prm, *, target=None, device=None):
         inputs, aliased, rebuild = flush_ffi_operands(st, kind, kv, score, prm, ikv, iscore)
         return rebuild(ffi_in_place(target, [layer, slots, pos, *inputs], aliased,
                                     kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
-                                    max_context=cfg.max_context))
+                                    max_context=cfg.max_context,
+                                    max_rows_per_slot=max_rows_per_slot))
     device = device or jax.devices("cpu")[0]
     args = jax.device_put((state, layer, jnp.asarray(slots), jnp.asarray(pos), proj, prm), device)
     return jax.jit(run)(*args)
 
 
-def call_write_layer(state, kind, slots, pos, window_kv, proj, prm, *, impl, device):
+def call_write_layer(state, kind, slots, pos, window_kv, proj, prm, *, impl, device,
+                     max_rows_per_slot=0):
     """write_layer of the kind's layer through `impl` on `device`, called on
     concrete arrays committed there (so impl "cpu" resolves on a GPU host)."""
     meta = D.StepMeta.build(token_slot=slots, token_pos=pos,
-                            lengths=np.zeros(state.config.max_requests, np.int32))
+                            lengths=np.zeros(state.config.max_requests, np.int32),
+                            max_rows_per_slot=max_rows_per_slot)
     state, meta, window_kv, proj, prm = jax.device_put((state, meta, window_kv, proj, prm), device)
     kv, score, ikv, iscore = proj
     with warnings.catch_warnings():   # not donated: the copy is what a test wants

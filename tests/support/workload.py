@@ -71,6 +71,9 @@ def speculative_step(state, meta, inputs, accepted, params, drafts, impl, read=N
         if read is not None:
             state, outputs[layer] = read(state, layer, spec, inputs[layer])
     state, kept = verify_commit(state, spec, accepted, impl=impl)
+    # the rows a slot has in either step bound its rows: the CUDA writes'
+    # choice of kernel (StepMeta.max_rows_per_slot)
+    assert spec.verified.max_rows_per_slot == kept.max_rows_per_slot == 1 + drafts
     for layer, kind in enumerate(cfg.layer_kinds):
         x = inputs[layer]
         comp, extra = compressor_operands(kind, x, params.get(layer))
