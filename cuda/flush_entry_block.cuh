@@ -74,7 +74,8 @@ __device__ __forceinline__ uint32_t BlockBadRows(uint32_t mine, BatchVote& ps) {
   return ps.bad_rows;
 }
 
-// Runs entry job j of slot s: row of position q is t_ref + (q - p_ref).
+// Runs entry job j of slot s: row of position q is t_ref + (q - p_ref). The
+// block's StageChannelParams come before (FlushPlanBlock, once).
 template <bool kCsa>
 __device__ void RunEntry(const FlushArgs& a, int64_t l, int64_t s, int64_t t_ref, int64_t p_ref,
                          const EntryJob& j, FlushShared& sh, BatchVote& ps) {
@@ -127,7 +128,6 @@ __device__ void RunEntry(const FlushArgs& a, int64_t l, int64_t s, int64_t t_ref
   const int64_t block = __ldg(a.block_table + s * a.MB + j.e * m / kBlockTokens);
   if (block < 0 || block >= a.N) return;  // not stored; its rows were counted
   const int64_t e = (l * a.N + block) * a.per_block + j.e % a.per_block;
-  StageChannelParams<kCsa, Part::kAll>(a, sh);
   BlockCloseEntry<kCsa, Part::kAll>(a, e, num::FinalizeAcc(acc),
                                     ich ? num::FinalizeAcc(iacc) : 0.f, j.e * m, sh);
 }

@@ -21,16 +21,17 @@
 // whole block), or a short request's first row (at most kSerialRunRows
 // rows: the same serial walk; a verify or commit step's 1 + k rows a
 // request). A warp an entry only pays where a request has middle entries to
-// run side by side: a short request's few edge entries in order on one warp
-// took 85 us where the block's walk of its rows takes a few. Rows are counted (MISSING_BLOCK, NONFINITE) by the entry that
-// folds their b half (HCA: their entry), so once each.
+// run side by side; a short request's few edge entries would run one after
+// another on one warp, far slower than a block walking its rows. Rows are
+// counted (MISSING_BLOCK, NONFINITE) by the entry that folds their b half
+// (HCA: their entry), so once each.
 //
 // CSA (flush_entry_warp.cuh): one warp an entry, 32 rows a block, so 8
-// entries of 8 rows are in flight a block (12 where a request starts). A request long enough that its
-// reading entries all close runs its four edge entries on four warps; the two
-// that leave accumulators store them only after the two readers are done (a
-// counter in shared memory). A shorter request runs its edge entries in order
-// on one warp.
+// entries of 8 rows are in flight a block (12 where a request starts). A
+// request the plan runs (more than kSerialRunRows rows) is long enough that
+// its reading entries all close: its four edge entries run on four warps, and
+// the two that leave accumulators store them only after the two readers are
+// done (a counter in shared memory).
 // HCA (flush_entry_block.cuh): one entry a block, a thread a channel: an
 // entry folds 128 rows, and one warp folding them all is far slower than the
 // block's barriers (measured: docs/perf/ops.md).
@@ -62,6 +63,10 @@ constexpr int64_t kPlanMaxSlots = int64_t{1} << 17;
 // A regular request of at most this many rows is walked serially by one
 // block, as the decode kernel walks it.
 constexpr int64_t kSerialRunRows = 16;
+// So a CSA request the plan runs holds its first two windows' last positions
+// (at most 2 x 4 rows from its first): both entries reading the carried
+// accumulators close, and they run beside the two that leave accumulators.
+static_assert(kSerialRunRows >= 2 * kCsaRatio, "a planned CSA request is a long run");
 
 inline bool UseWindowPlan(const FlushArgs& a) {
   const bool short_runs = a.max_rows_per_slot >= 1 && a.max_rows_per_slot <= kSerialRunRows;
@@ -166,20 +171,9 @@ __device__ __forceinline__ int RowRole(const FlushArgs& a, const uint32_t* irreg
   return middle ? kMiddle : -1;
 }
 
-// Whether the regular request whose first row is t0 (position p0) runs long
-// enough that its entries reading the carried accumulators (w0 .. w0+A-1) all
-// close, so none of them is one that leaves an accumulator: the run holds
-// position (w0 + A) m - 1. Then those can run beside the ones that leave the
-// accumulators, which wait for them only to store.
-template <bool kCsa>
-__device__ __forceinline__ bool LongRun(const FlushArgs& a, int64_t s, int64_t t0, int64_t p0) {
-  constexpr int64_t m = kCsa ? kCsaRatio : kHcaRatio, A = kCsa ? 2 : 1;
-  const int64_t t = t0 + ((p0 / m + A) * m - 1 - p0);
-  return t < a.T && __ldg(a.slot + t) == s;
-}
-
-// One item of a CSA block, run by one warp: a middle entry; a request's edge
-// entries in order (a short run); or one edge entry of a long run.
+// One item of a CSA block, run by one warp: a middle entry, or one edge
+// entry of a request (kEdgeRead: one reading the carried accumulators, which
+// all close; kEdgeWrite: one leaving an accumulator).
 __device__ inline void RunItemWarp(const FlushArgs& a, int64_t l, int i, PlanShared& ps,
                             WarpScratch& ws) {
   constexpr int64_t m = kCsaRatio, A = 2;
@@ -187,10 +181,6 @@ __device__ inline void RunItemWarp(const FlushArgs& a, int64_t l, int i, PlanSha
   const int64_t s = __ldg(a.slot + t), p = __ldg(a.pos + t);
   if (role == kMiddle) {
     RunEntryWarp<true>(a, l, s, t, p, MiddleJob(true, p / m), ws);
-  } else if (role == kEdge) {  // in increasing order (see dsv4/flush_windows.h)
-    const WindowPlan w = PlanWindows(true, p, WarpRunEnd(a, s, t) - t);
-    for (int64_t e = w.w0; e <= w.last(); e = w.next_edge(e))
-      RunEntryWarp<true>(a, l, s, t, p, w.Job(e), ws);
   } else if (role == kEdgeRead) {  // entry w0 + j: the plan up to where it closes
     const WindowPlan w = PlanWindows(true, p, (p / m + A) * m - p);
     RunEntryWarp<true>(a, l, s, t, p, w.Job(w.w0 + j), ws);
@@ -220,8 +210,9 @@ __device__ inline void RunItemBlock(const FlushArgs& a, int64_t l, int64_t t, in
 template <bool kCsa>
 __device__ __forceinline__ void QueueRow(const FlushArgs& a, int64_t s, int64_t t, int role,
                                          PlanShared& ps) {
-  if (kCsa && role == kEdge && LongRun<true>(a, s, t, __ldg(a.pos + t))) {
-    // a long run: its two reading entries and two leaving ones, four items
+  if (kCsa && role == kEdge) {
+    // a planned CSA request (kSerialRunRows): its two reading entries and
+    // two leaving ones, four items
     const int i = atomicAdd(&ps.items, 4);
     ps.ready[i] = 0;
     for (int k = 0; k < 4; ++k) {
@@ -248,6 +239,8 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
   for (int64_t i = threadIdx.x; i < kPlanBitmaps * words; i += kThreads) bits[i] = 0u;
   __syncthreads();
   cuda::WaitForPrevious();  // everything below reads what earlier kernels wrote
+  // the epilogue's parameters, once for every entry and walk the block closes
+  StageChannelParams<kCsa, Part::kAll>(a, sh);
   int64_t l;
   if (!cuda::LayerOkCountedBy(block == 0, a.layer, a.L, a.errors, &l)) return;
   ClassifySlots(a, bits, words);
@@ -256,8 +249,9 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
   const int64_t begin = a.T * block / blocks, end = a.T * (block + 1) / blocks;
   const int warp = threadIdx.x >> 5;
   int bad_slot = 0;
-  // rows a round: each queues at most one item (four for a long run's first
-  // row, which has at least five rows), so the list holds a round's items
+  // rows a round: each queues at most one item (four for a planned CSA
+  // request's first row, which has more than four rows), so the list holds
+  // a round's items
   constexpr int kRoundRows = kThreads;
   for (int64_t base = begin; base < end; base += kRoundRows) {
     if (threadIdx.x == 0) ps.items = 0;
@@ -290,10 +284,8 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
     for (int i = 0; i < items; ++i) {
       if (!WalkedByBlock(ps.item_role[i])) continue;
       const int64_t tt = ps.item_row[i], s = __ldg(a.slot + tt);
-      if (ps.item_role[i] == kShort || FirstRowOfSlot(a, s, tt)) {
-        StageChannelParams<kCsa, Part::kAll>(a, sh);
+      if (ps.item_role[i] == kShort || FirstRowOfSlot(a, s, tt))
         WalkRequest<kCsa, Part::kAll>(a, l, s, tt, __ldg(a.pos + tt), sh, SearchRows{a, s, sh});
-      }
     }
     __syncthreads();  // the list is rewritten next round
   }
