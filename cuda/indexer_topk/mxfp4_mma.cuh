@@ -197,10 +197,12 @@ __device__ __forceinline__ void BlockTileSums(const uint4* bfrag,
         acc[j][2] = u[2] * Q.x;
         acc[j][3] = u[3] * Q.y;
       } else {
-        acc[j][0] = fmaf(u[0], Q.x, acc[j][0]);
-        acc[j][1] = fmaf(u[1], Q.y, acc[j][1]);
-        acc[j][2] = fmaf(u[2], Q.x, acc[j][2]);
-        acc[j][3] = fmaf(u[3], Q.y, acc[j][3]);
+        // the product rounded before the add, as dsv4/indexer.h: an fma
+        // would keep a product that overflows alone finite
+        acc[j][0] = __fadd_rn(acc[j][0], __fmul_rn(u[0], Q.x));
+        acc[j][1] = __fadd_rn(acc[j][1], __fmul_rn(u[1], Q.y));
+        acc[j][2] = __fadd_rn(acc[j][2], __fmul_rn(u[2], Q.x));
+        acc[j][3] = __fadd_rn(acc[j][3], __fmul_rn(u[3], Q.y));
       }
     }
   }

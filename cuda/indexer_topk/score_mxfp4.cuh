@@ -42,7 +42,7 @@ namespace {  // internal linkage: see cuda/indexer_topk.cu
 //  - Other tiles, per row half and block b: S from one s8 x s8 MMA
 //    (accumulator from 1.5 * 2^23; one fma gives u = fl(S K) while that
 //    constant is finite: key scale bytes 1 to 231, else subtract then
-//    multiply), then the fma chain of d.
+//    multiply), then d's chain of products, each rounded before its add.
 // Channels are permuted identically in both operands of a form (an integer
 // sum does not care): in the fast form lane c of a quad holds block c of a
 // key row (its 16 bytes: one shared-memory read, one shift sk) and k-step kk

@@ -57,13 +57,14 @@ given, for models that skip the simulation. For "mxfp4" (dsv4/indexer.h):
   S[b]  = sum_j q2[h, 32b+j] * k2[32b+j]   integers (twice each e2m1 value),
                                           exact in any order
   u[b]  = fl(S[b] * 2^(key scale byte - 127))
-  d     = fl(u[0] * Q[0]); d = fma(u[b], Q[b], d), b = 1..3,
+  d     = fl(u[0] * Q[0]); d = fl(d + fl(u[b] * Q[b])), b = 1..3,
           Q[b] = 2^(query scale byte - 129)
   c[h]  = w[h] * (d > 0 ? d : 0)
   score = balanced pairwise tree over c[0..63] in head order
 The products u * Q are exact unless they leave the normal fp32 range (block
-amaxes of q and k whose product is below ~2^-110), so there the jnp
-reference (mul + add) equals the handlers' fma. The handlers compute most
+amaxes of q and k whose product is below ~2^-110, or scale bytes near 254);
+one that overflows is +-inf before it is added: no implementation fuses the
+product into the add (an FMA would keep it finite). The handlers compute most
 scores in an equivalent form (dsv4/indexer.h, "fast form"): when a head's
 four query scale bytes and a key's four lie within 3 of their minimum, the
 chain above rounds nowhere, so one integer dot product over 128 channels of

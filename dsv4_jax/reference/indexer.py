@@ -63,9 +63,11 @@ def score_entries_mxfp4(packed, scale, q2, qfac, w):
     # integer block sums: exact, so the backend's summation order is free
     s = jnp.einsum("nbj,hbj->nhb", k2, qb, preferred_element_type=_I32)
     u = s.astype(jnp.float32) * quant.e8m0_to_f32(scale)[:, None, :]     # [n, 64, 4]
-    d = u[..., 0] * qfac[None, :, 0]
-    for b in range(1, C.INDEX_SCALES):   # exact products: fma == multiply, add
-        d = d + u[..., b] * qfac[None, :, b]
+    # each product rounded before it is added (an overflowing product is
+    # +-inf): times_pow2 keeps XLA from fusing product and add into an FMA
+    d = quant.times_pow2(u[..., 0], qfac[None, :, 0])
+    for b in range(1, C.INDEX_SCALES):
+        d = d + quant.times_pow2(u[..., b], qfac[None, :, b])
     r = jnp.where(d > 0, d, jnp.float32(0))
     c = jax.lax.optimization_barrier(w[None, :] * r)
     # balanced pairwise tree in head order, on per-head columns: XLA's CPU

@@ -299,3 +299,27 @@ def has_cuda_target():
         return bool(jax.devices("cuda")) and _ffi.has_target("cuda", "dsv4_indexer_topk")
     except RuntimeError:
         return False
+
+
+@pytest.mark.parametrize("q_format", Q_FORMATS)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("context, k", [(1024, 512), (4096, 16)])
+def test_overflowing_products(impl, q_format, context, k):
+    """Key scale bytes 254 on a third of the entries and a large q: block
+    products overflow alone (+-inf before they are added, never fused into
+    an FMA that keeps them finite), so scores are +inf, -inf or NaN (inf -
+    inf, ranked as -inf) beside finite ones. Every entry is taken at 1024
+    (E = 256 < k: the order of the -inf and NaN tail counts); at 4096 the
+    first 16 of the +inf ties, by index."""
+    rng = np.random.default_rng(context + k)
+    B = 3
+    st = with_random_blocks(rng, make_state(rng, R=B, max_context=context), B)
+    scale = np.array(st.csa.index.scale.view(np.uint8))
+    scale[rng.random(scale.shape[:3]) < 0.3] = 254
+    st = with_index_keys(st, scale=scale)
+    q, w = queries(rng, B, qscale=1e4)
+    slot, pos = np.arange(B), np.full(B, context - 1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want, _ = expected(st, 1, slot, pos, q, w, k, q_format)
+    got = np.asarray(run(st, 1, slot, pos, q, w, k, impl, return_state=False, q_format=q_format))
+    np.testing.assert_array_equal(got, want)

@@ -126,7 +126,7 @@ def replay_f32_mxfp4(key_codes, key_scale, q, w):
     Q = (qs / 4).astype(np.float32)
     d = u[..., 0] * Q[None, :, 0]
     for b in range(1, 4):
-        d = d + u[..., b] * Q[None, :, b]      # u * Q exact at these scales: = the fma
+        d = d + u[..., b] * Q[None, :, b]      # the product rounded, then added
     c = np.asarray(w, np.float32)[None, :] * np.where(d > 0, d, np.float32(0))
     while c.shape[1] > 1:                      # balanced pairwise tree over the heads
         c = c[:, 0::2] + c[:, 1::2]
@@ -141,10 +141,10 @@ def oracle_f64(keys, q, w):
 
 
 def rank(scores, cand, k):
-    """Indices of the k best candidates (descending score, ascending index),
-    -1 padded."""
+    """Indices of the k best candidates (descending score, NaN as -inf,
+    ascending index), -1 padded."""
     idx = np.nonzero(cand)[0]
-    s = scores[idx]
+    s = np.where(np.isnan(scores[idx]), -np.inf, scores[idx])   # NaN ranks as -inf
     order = idx[np.lexsort((idx, -s))][:k]
     return np.r_[order, np.full(k - len(order), -1)].astype(np.int32)
 

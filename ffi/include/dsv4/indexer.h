@@ -89,14 +89,15 @@ DSV4_HD uint32_t IndexRankKey(float s) {
 //   S[b]  = sum_j q2[h, 32b+j] * k2[32b+j]          (|S| <= 32 * 144: exact in
 //                                                    any order, int32 or fp32)
 //   u[b]  = fl(S[b] * K[b]),   K[b] = 2^(key scale byte - 127)
-//   d     = fl(u[0] * Q[0]);  d = fma(u[b], Q[b], d), b = 1, 2, 3
+//   d     = fl(u[0] * Q[0]);  d = fl(d + fl(u[b] * Q[b])), b = 1, 2, 3
 //           Q[b] = 2^(query scale byte - 129) (the 1/4 of the two doublings)
 //   c[h]  = w[h] * (d > 0 ? d : 0)
 //   score = pairwise sum of c[0..63]: level 1 adds (c0 + c1), (c2 + c3), ...,
 //           each next level adds neighbouring results (a balanced tree in
 //           head order, the order a GPU warp reduces in)
-// u[b] * Q[b] is exact unless it leaves the normal fp32 range, so the fma
-// equals a multiply and an add wherever no subnormal appears.
+// u[b] * Q[b] is exact unless it leaves the normal fp32 range. Where it
+// overflows it is +-inf before it is added (an fma would keep it finite, and
+// d + inf, inf - inf give other bits), so no implementation may fuse the two.
 // qscratch bytes per token, the CPU handler's layout (the CUDA handler keeps
 // the rounded query in each CTA's shared memory instead):
 //   [0, 8192)        int8 codes q2[64][128]
@@ -174,7 +175,7 @@ DSV4_HD float IndexScoreMxfp4(const uint8_t* packed, const uint8_t* scales, cons
         s += q2[h * kIndexDim + kMxfp4Block * b + j] * k2[kMxfp4Block * b + j];
       const float u = static_cast<float>(s) * num::E8m0ToF32(scales[b]);
       const float qb = qf[b * kIndexHeads + h];
-      d = b == 0 ? u * qb : fmaf(u, qb, d);
+      d = b == 0 ? u * qb : d + u * qb;   // the product rounded first (no contraction)
     }
     c[h] = w[h] * (d > 0.f ? d : 0.f);
   }
@@ -187,7 +188,7 @@ DSV4_HD float IndexScoreMxfp4(const uint8_t* packed, const uint8_t* scales, cons
 // ek[b] = mk + sk[b]. Every term of d is S[b] * 2^(ek[b] + eq[b] - 256), an
 // integer multiple of 2^(mk + mq - 256); when every sq, sk <= 3 the partial
 // sums stay below 2^24 such units (4 * 4608 * 2^6 < 2^21), so the chain of
-// u and fma above rounds nowhere and
+// u, products and adds above rounds nowhere and
 //   d = A * 2^(mk + mq - 256),   A = sum_c (q2[c] << sq[c/32]) * (k2[c] << sk[c/32])
 // one exact int8 dot product over 128 channels (shifted codes stay within
 // +-96). With wq = w * 2^(mq - 128) and Kf = 2^(mk - 128),
