@@ -27,9 +27,15 @@ template <bool kCsa>
 ffi::Error LaunchFlush(cudaStream_t stream, const FlushArgs& a, const char* what) {
   if (flush_kernel::UseWindowPlan(a))
     return cuda::LaunchResult(flush_kernel::LaunchFlushPlan<kCsa>(stream, a), what);
+  // a decode-sized call (a verify step's 1 + k rows a request among them) in
+  // one wave: its requests are dealt to the blocks by rank (WalkRanked)
+  unsigned grid = flush_kernel::FlushGrid(a.T);
+  if (a.T <= kThreads) {
+    const int64_t wave = int64_t{cuda::BlocksPerSm<FlushKernel<kCsa>>(kThreads)} * cuda::SmCount();
+    if (grid > wave) grid = static_cast<unsigned>(wave);
+  }
   return cuda::LaunchResult(
-      cuda::LaunchOverlapped(FlushKernel<kCsa>, dim3(flush_kernel::FlushGrid(a.T)),
-                             dim3(kThreads), 0, 1u, stream, a),
+      cuda::LaunchOverlapped(FlushKernel<kCsa>, dim3(grid), dim3(kThreads), 0, 1u, stream, a),
       what);
 }
 

@@ -16,7 +16,12 @@
 // slot) or the request (bad position, missing block, NaN/Inf).
 //
 // A decode-sized call (T <= kThreads rows) takes each row's slot in one load
-// a thread: the rows of a request are a bitmask (MaskRows), and the block
+// a thread: the rows of a request are a bitmask (MaskRows). Where such a call
+// has more rows than the grid has blocks (a verify or commit step: up to
+// 1 + k rows a request), requests are dealt by the rank of their first rows
+// instead (WalkRanked), so every request is walked in the grid's one wave;
+// dealt by row, one block could meet several first rows while others meet
+// none. The block
 // issues the request's accumulator and first-row loads before it agrees that
 // the row is the request's first, so its chain is two rounds of loads, the
 // row's vote and the epilogue. Larger calls search for the rows (SearchRows).
@@ -55,11 +60,12 @@ __host__ __device__ constexpr bool HasEntry(Part p) { return p != Part::kIndex; 
 __host__ __device__ constexpr bool HasKey(bool csa, Part p) { return csa && p != Part::kMain; }
 
 struct FlushShared {
-  float x[kHeadDim];    // main entry under its epilogue
+  alignas(16) float x[kHeadDim];  // main entry under its epilogue (WalkRanked: the call's slots first)
   float ix[kIndexDim];  // indexer key under its epilogue
   float ss[2];          // sums of squares (main, index)
   int next_row;         // offset of the request's next row within a searched span
   uint32_t rows[kThreads / 32];  // MaskRows: bit t of the request's rows
+  int first_rows[kThreads / 32]; // WalkRanked: first rows of requests, a count per warp
   // The epilogue's parameters, each written and read by its channel's thread
   // (StageChannelParams): RMSNorm weights and the RoPE channels' inverse
   // frequencies, main and indexer.
@@ -447,6 +453,54 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
   if (touched && !stored) store();
 }
 
+// A decode-sized call's requests (T <= kThreads rows; `my_slot` is row
+// threadIdx.x's slot, -1 past T) dealt to `blocks` blocks by the rank of
+// their first rows: this block walks the requests ranked block, block +
+// blocks, ... A row is a first row when no earlier row has its slot: its
+// warp's lanes are matched, then the slots of the warps before it read from
+// a staged copy. Bad slots (not padding) are counted by block 0.
+template <bool kCsa, Part kPart>
+__device__ void WalkRanked(const FlushArgs& a, int64_t l, unsigned block, unsigned blocks,
+                           FlushShared& sh, int32_t my_slot) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const bool valid = my_slot >= 0 && my_slot < a.R;
+  if (HasEntry(kPart) && block == 0) {
+    const int bad = __syncthreads_count(my_slot != -1 && !valid);
+    if (t == 0 && bad != 0) atomicAdd(&a.errors[kBadSlot], bad);
+  }
+  // the staged slots live in the epilogue's buffer until the first walk
+  int32_t* slots_s = reinterpret_cast<int32_t*>(sh.x);
+  static_assert(kHeadDim >= kThreads, "a slot a thread in sh.x");
+  slots_s[t] = my_slot;
+  const unsigned same = __match_any_sync(cuda::kFull, my_slot);
+  bool first = valid && __ffs(same) - 1 == lane;
+  __syncthreads();
+  if (first) {
+    const int4* s4 = reinterpret_cast<const int4*>(slots_s);
+    for (int i = 0; i < 8 * warp; ++i) {
+      const int4 v = s4[i];
+      first = first && v.x != my_slot && v.y != my_slot && v.z != my_slot && v.w != my_slot;
+    }
+  }
+  const unsigned firsts = __ballot_sync(cuda::kFull, first);
+  if (lane == 0) sh.first_rows[warp] = __popc(firsts);
+  __syncthreads();
+  int rank = __popc(firsts & ((1u << lane) - 1u)), total = 0;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    const int n = sh.first_rows[w];
+    rank += w < warp ? n : 0;
+    total += n;
+  }
+  for (int r = static_cast<int>(block); r < total; r += static_cast<int>(blocks)) {
+    __syncthreads();  // the last walk is done with sh.next_row and sh.rows
+    if (first && rank == r) sh.next_row = t;
+    __syncthreads();
+    const int64_t t0 = sh.next_row;
+    const int64_t s = __ldg(a.slot + t0);
+    WalkRequest<kCsa, kPart>(a, l, s, t0, __ldg(a.pos + t0), sh, MaskRows{a, s, sh, my_slot});
+  }
+}
+
 // The flush of one block: requests are found by their first rows, dealt to
 // the role's `blocks` blocks grid-stride (`block` is this one's index); the
 // block computes part `kPart` of each (another role's blocks the rest).
@@ -468,6 +522,7 @@ __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, 
   StageChannelParams<kCsa, kPart>(a, sh);
   int64_t l;
   if (!cuda::LayerOkCountedBy(kCounts && block == 0, a.layer, a.L, a.errors, &l)) return;
+  if (masked && a.T > blocks) return WalkRanked<kCsa, kPart>(a, l, block, blocks, sh, my_slot);
   for (int64_t t0 = first; t0 < a.T; t0 += blocks) {
     if (masked && t0 != first) __syncthreads();  // the last walk's reads of sh.rows are done
     const int64_t s = t0 == first ? s_first : __ldg(a.slot + t0);

@@ -75,6 +75,26 @@ inline unsigned GridFor(int64_t work, int per_block, int waves) {
   return static_cast<unsigned>(want);
 }
 
+// Blocks of `kKernel` (`threads` threads, no dynamic shared memory) a
+// multiprocessor of the current device holds at once, asked once per device;
+// 1 where the query fails.
+template <auto kKernel>
+int BlocksPerSm(int threads) {
+  static std::atomic<int> cached[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1;
+  int n = cached[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 1;
+    }
+    n = n < 1 ? 1 : n;
+    cached[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 // Clusters of `cluster_x` blocks of `kernel` the device holds at once (0 if
 // the query fails). A grid of more clusters than that runs its last ones in a
 // second wave: a cluster's blocks must share a GPC, so this is often fewer

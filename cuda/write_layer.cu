@@ -82,13 +82,21 @@ template <bool kCsa, FlushLayout kLayout>
 ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, const char* what) {
   const bool prefill = flush_kernel::UseWindowPlan(w.flush);
   const int64_t parts = kLayout == FlushLayout::kSplit ? 2 : 1;
-  const int64_t per_part = prefill ? 0 : flush_kernel::FlushGrid(w.flush.T);
+  const int64_t least = LeastScanBlocks(w.append.T);
+  int64_t per_part = prefill ? 0 : flush_kernel::FlushGrid(w.flush.T);
+  // a decode-sized flush (rows dealt to blocks by request: WalkRanked) keeps
+  // to the multiprocessors the scan role leaves, so a verify or commit step's
+  // hundreds of rows still run in one wave
+  if (!prefill && w.flush.T <= flush_kernel::kThreads &&
+      parts * per_part + least > cuda::SmCount()) {
+    const int64_t fit = (cuda::SmCount() - least) / parts;
+    per_part = fit < 1 ? 1 : fit;
+  }
   // a scan role takes the multiprocessors the flush role leaves, so that
   // both run in one wave (one block a multiprocessor: the flush role's
   // registers allow no more), unless its warps would then take more than
   // kScanTokensPerWarp tokens each
   const int64_t spare = cuda::SmCount() - parts * per_part;
-  const int64_t least = LeastScanBlocks(w.append.T);
   const append_kernel::AppendPlan plan =
       append_kernel::FitAppendPlan<WriteLayerKernel<kCsa, kLayout>, 1>(
           w.append.T, w.append.R, spare > least ? spare : least);

@@ -19,7 +19,8 @@ import dsv4_jax as D
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as EK
 from dsv4_jax.workload import Flips, compare_states
-from support.flush_plan import call_write_layer, params, prefill_state, projections, rows
+from support.flush_plan import (call_flush, call_write_layer, params, prefill_state,
+                                projections, rows)
 from support.indexer import (expected, make_state, queries, run, with_index_keys,
                              with_random_blocks)
 from support.marks import CUDA
@@ -78,7 +79,31 @@ def _decode_cases():
     nan = [int(np.flatnonzero((s == 0) & (p == 1069))[0]),
            int(np.flatnonzero((s == 2) & (p == 5010))[0])]
     cases.append(("201 interleaved rows", 4, s, p, nan, []))
+    cases.append(many_short_requests(rng))
     return cases
+
+
+def many_short_requests(rng):
+    """A verify or commit step's shape past the grid's one wave: 150 requests
+    of 1 to 4 rows (more requests than blocks, so each block walks several,
+    dealt by the rank of their first rows), interleaved so that a request's
+    rows sit in different warps, with bad slots in several warps, padding,
+    NaN rows and a missing block; 460 rows."""
+    R = 150
+    runs = [(i, int(rng.integers(1, MAX_CONTEXT // 4)) * 4 - int(rng.integers(0, 4)),
+             int(rng.integers(1, 5))) for i in range(R)]
+    runs[3] = (3, 62, 3)                    # in block 0 of slot 3: missing
+    runs[77] = (77, 130, 4)                 # in block 1 of slot 77: missing
+    s, p = _interleaved(rng, *runs)
+    extra = 460 - len(s)
+    at = np.sort(rng.choice(len(s) + extra, extra, replace=False))
+    fill_s = np.where(np.arange(extra) % 3 == 0, R + 7, -1).astype(np.int32)
+    s = np.insert(s, at - np.arange(extra), fill_s).astype(np.int32)
+    p = np.insert(p, at - np.arange(extra), 5).astype(np.int32)
+    assert len(s) == 460
+    good = np.flatnonzero((s >= 0) & (s < R))
+    nan = [int(t) for t in rng.choice(good, 4, replace=False)]
+    return ("150 short requests, 460 rows", R, s, p, nan, [(3, 0), (77, 1)])
 
 
 @pytest.mark.parametrize("case", _decode_cases(), ids=lambda c: c[0])
@@ -104,6 +129,25 @@ def test_write_layer_decode(kind, case):
     assert flips.fraction < MAX_FLIP_FRACTION, flips
     if nan_rows:
         assert host.errors[EK.NONFINITE] >= 1
+
+
+@pytest.mark.parametrize("kind", [C.CSA, C.HCA])
+def test_flush_dealt_by_rank(kind):
+    """flush's own decode kernel on more rows than its one wave of blocks
+    (its requests dealt by rank) against the CPU handler, and with the
+    caller's row bound (which keeps this kernel) byte for byte."""
+    _, R, slots, pos, nan_rows, missing = many_short_requests(np.random.default_rng(8))
+    st = prefill_state("ds_fp8", R=R, max_context=MAX_CONTEXT, missing=missing, seed=6)
+    proj = projections(kind, len(slots), seed=7, nan_rows=nan_rows)
+    prm = params(kind, seed=9)
+    gpu = jax.devices("cuda")[0]
+    out = _host(call_flush(st, kind, slots, pos, proj, prm, device=gpu, max_rows_per_slot=4))
+    host = _host(call_flush(st, kind, slots, pos, proj, prm))
+    flips = Flips()
+    compare_states(out, host, flips, f"{kind} cuda vs cpu ")
+    np.testing.assert_array_equal(out.errors, host.errors)
+    assert flips.fraction < MAX_FLIP_FRACTION, flips
+    assert host.errors[EK.BAD_SLOT] > 0 and host.errors[EK.NONFINITE] > 0
 
 
 @pytest.mark.parametrize("B, context", [(1, 4096), (8, 16384), (64, 4096), (2, 131072)])
