@@ -221,12 +221,14 @@ __device__ void BlockCloseEntry(const FlushArgs& a, int64_t e, float v, float iv
 
 // One row's operands for one thread's channel(s), loaded ahead of use:
 // score, ape and kv of the half folded into `cur` (b) and into `nxt` (a),
-// main and indexer; the row's expected position, whether it gates, the block
-// of its window (-1 if missing) and its error (or -1; NaN/Inf decided later).
+// main and indexer; the row's expected position, whether it gates, and the
+// block-table entry of its window and its position as loaded: its error and
+// block are decided where the row is folded (Checked), so that no load of
+// the row waits for another.
 struct TokenIn {
-  int64_t ep = 0, block = -1;
+  int64_t ep = 0;
+  int32_t table = -1, pos = 0;  // as loaded: widened only where used
   bool gates = false;
-  int err = -1;
   float sb = 0.f, ab = 0.f, vb = 0.f, sa = 0.f, aa = 0.f, va = 0.f;
   float isb = 0.f, iab = 0.f, ivb = 0.f, isa = 0.f, iaa = 0.f, iva = 0.f;
 };
@@ -336,19 +338,17 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
   }
   // Software pipeline: the next row of this request is found and its
   // inputs loaded (addresses always in bounds) before the current row is
-  // folded, so the chain slot -> block table -> projections is not paid in
-  // full per row. The order of the folds is unchanged.
+  // folded, its block-table entry and position beside its projections (the
+  // verdict that needs them waits for the fold), so a row costs one round of
+  // loads, overlapped with the row before. The order of the folds is unchanged.
   const int64_t limit = GatingLimit(a.max_context, a.MB);
   auto load = [&](int64_t t, int64_t ep) {
     TokenIn in;
     in.ep = ep;
     in.gates = Gates(ep, limit);
-    in.err = kBadPosition;
-    in.block = -1;
     if (in.gates) {
-      const int64_t block = __ldg(a.block_table + s * a.MB + ep / kBlockTokens);
-      in.err = GatedRowError(__ldg(a.pos + t), ep, block, a.N);
-      if (block >= 0 && block < a.N) in.block = block;
+      in.table = __ldg(a.block_table + s * a.MB + ep / kBlockTokens);
+      in.pos = __ldg(a.pos + t);
     }
     const int64_t pm = in.gates ? ep % m : 0;
     const float* kv = mv.kv + t * mw;
@@ -403,12 +403,14 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
       continue;
     }
     touched = true;
-    bool fold = cin.err < 0;
+    const int err = GatedRowError(cin.pos, cin.ep, cin.table, a.N);  // or -1
+    const int64_t block = cin.table >= 0 && cin.table < a.N ? cin.table : -1;
+    bool fold = err < 0;
     if (!fold) {
-      if (kEntry && c == 0) atomicAdd(&a.errors[cin.err], 1);
+      if (kEntry && c == 0) atomicAdd(&a.errors[err], 1);
     } else {
       // NaN/Inf anywhere in the row's inputs drops it: each thread checks the
-      // channels it loaded, the block decides together (cin.err is uniform).
+      // channels it loaded, the block decides together (err is uniform).
       bool bad = !(num::IsFinite(cin.sb) && num::IsFinite(cin.vb));
       if (kCsa) bad = bad || !(num::IsFinite(cin.sa) && num::IsFinite(cin.va));
       if (irow) {
@@ -446,8 +448,8 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
       store();
       stored = true;
     }
-    if (cin.block < 0) continue;  // no block to store the entry in (block-uniform)
-    const int64_t e = (l * a.N + cin.block) * a.per_block + w % a.per_block;
+    if (block < 0) continue;  // no block to store the entry in (block-uniform)
+    const int64_t e = (l * a.N + block) * a.per_block + w % a.per_block;
     BlockCloseEntry<kCsa, kPart>(a, e, pooled, ipooled, w * m, sh);
   }
   if (touched && !stored) store();
