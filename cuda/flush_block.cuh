@@ -13,7 +13,8 @@
 // epilogue across the block (BlockCloseEntry: the main entry and the indexer
 // key side by side, four block barriers) and one warp stores the entry.
 // Dropped rows are counted once each, by the block that owns the row (bad
-// slot) or the request (bad position, missing block, NaN/Inf).
+// slot; block 0 where requests are dealt by rank) or the request (bad
+// position, missing block, NaN/Inf).
 //
 // A decode-sized call (T <= kThreads rows) takes each row's slot in one load
 // a thread: the rows of a request are a bitmask (MaskRows). Where such a call
@@ -223,8 +224,8 @@ __device__ void BlockCloseEntry(const FlushArgs& a, int64_t e, float v, float iv
 // score, ape and kv of the half folded into `cur` (b) and into `nxt` (a),
 // main and indexer; the row's expected position, whether it gates, and the
 // block-table entry of its window and its position as loaded: its error and
-// block are decided where the row is folded (Checked), so that no load of
-// the row waits for another.
+// block are decided where the row is folded, so that no load of the row
+// waits for another.
 struct TokenIn {
   int64_t ep = 0;
   int32_t table = -1, pos = 0;  // as loaded: widened only where used
