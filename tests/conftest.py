@@ -13,8 +13,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Four CPU devices for the sharding tests; must be set before jax initializes.
 # LLVM's optimization level 0 for the CPU code XLA emits: the suite compiles
 # hundreds of small programs and runs each briefly, and at level 0 it spends
-# about a third less time compiling; the arithmetic is IEEE at every level,
-# so every result (and every comparison of the suite) is the same.
+# about a third less time compiling. One difference: at its default level
+# XLA's CPU code fuses a multiply into the add after it (an FMA), at level 0
+# it does not, so a reference result that depends on that would pass here
+# and differ for a user; the indexer's overflowing products are formed on
+# the bits for that reason (reference/quant.py times_pow2, tested at the
+# default level in numerics/test_quant.py).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 "
                                    "--xla_backend_optimization_level=0")
 # No --xla_allow_excess_precision=false here: the reference rounds to bf16

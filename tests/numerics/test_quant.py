@@ -238,3 +238,31 @@ def test_subnormal_inputs_are_not_flushed_to_zero():
         got = _quantize_jit(fmt)(jnp.asarray(entry))
         ref = encode_kv(entry, fmt)
         np.testing.assert_array_equal(bits(np.asarray(got.nope)), bits(ref["nope"]))
+
+
+def test_times_pow2_is_the_rounded_product_before_an_add():
+    """quant.times_pow2 against numpy's float32 product (which is never
+    fused into the add after it): normal products, products that overflow
+    alone (+-inf, then added to +-inf, finite and NaN values), zero, Inf and
+    NaN x. Compiled at XLA's default optimization level, not the suite's 0:
+    there XLA on the CPU makes x * f + d one FMA, which gives -inf, not NaN,
+    for a finite x whose product overflows to +inf beside d = -inf."""
+    rng = np.random.default_rng(5)
+    n = 4096
+    x = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-60, 128, n)).astype(np.float32)
+    x *= rng.choice([-1, 1], n).astype(np.float32)
+    x[:8] = [0.0, -0.0, np.inf, -np.inf, np.nan, 2.0 ** 127, -(2.0 ** 127), 1.5]
+    e = rng.integers(-60, 128, n)
+    f = np.exp2(e.astype(np.float64)).astype(np.float32)          # normal powers of two
+    d = rng.choice([0.0, 1.0, -np.inf, np.inf, np.nan, 3e38], n).astype(np.float32)
+    keep = np.abs(x.astype(np.float64) * f) >= 2.0 ** -126      # no subnormal result
+    keep |= ~np.isfinite(x) | (x == 0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x * f + d
+        overflow = np.isfinite(x) & np.isinf(x * f) & keep
+    step = jax.jit(lambda x, f, d: Q.times_pow2(x, f) + d).lower(x, f, d)
+    got = np.asarray(step.compile(compiler_options={"xla_backend_optimization_level": 2})(x, f, d))
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(bits(got[keep & ~nan]), bits(want[keep & ~nan]))
+    assert overflow.sum() > 100 and nan[overflow & np.isinf(d)].any()
