@@ -27,15 +27,10 @@ template <bool kCsa>
 ffi::Error LaunchFlush(cudaStream_t stream, const FlushArgs& a, const char* what) {
   if (flush_kernel::UseWindowPlan(a))
     return cuda::LaunchResult(flush_kernel::LaunchFlushPlan<kCsa>(stream, a), what);
-  // a decode-sized call (a verify step's 1 + k rows a request among them) in
-  // one wave: its requests are dealt to the blocks by rank (WalkRanked)
-  unsigned grid = flush_kernel::FlushGrid(a.T);
-  if (a.T <= kThreads) {
-    const int64_t wave = int64_t{cuda::BlocksPerSm<FlushKernel<kCsa>>(kThreads)} * cuda::SmCount();
-    if (grid > wave) grid = static_cast<unsigned>(wave);
-  }
+  const int64_t wave = int64_t{cuda::BlocksPerSm<FlushKernel<kCsa>>(kThreads)} * cuda::SmCount();
   return cuda::LaunchResult(
-      cuda::LaunchOverlapped(FlushKernel<kCsa>, dim3(grid), dim3(kThreads), 0, 1u, stream, a),
+      cuda::LaunchOverlapped(FlushKernel<kCsa>, dim3(flush_kernel::FlushGrid(a.T, wave)),
+                             dim3(kThreads), 0, 1u, stream, a),
       what);
 }
 
@@ -51,10 +46,11 @@ ffi::Error FlushCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_cont
                         ffi::Result<ffi::AnyBuffer> packed, ffi::Result<ffi::AnyBuffer> iscale,
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(
-      kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv, score, ape, norm, inv_freq,
-      index_kv, index_score, index_ape, index_norm, index_inv_freq, block_table, rest, *comp,
-      *icomp, *packed, *iscale, *errors, entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer,
+                                        token_slot, token_pos, kv, score, ape, norm, inv_freq,
+                                        index_kv, index_score, index_ape, index_norm,
+                                        index_inv_freq, block_table, rest, *comp, *icomp, *packed,
+                                        *iscale, *errors, entry_rets, &a));
   return LaunchFlush<true>(stream, a, "flush_csa");
 }
 
@@ -66,9 +62,9 @@ ffi::Error FlushHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_cont
                         ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> comp,
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv,
-                                        score, ape, norm, inv_freq, block_table, rest, *comp,
-                                        *errors, entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer,
+                                        token_slot, token_pos, kv, score, ape, norm, inv_freq,
+                                        block_table, rest, *comp, *errors, entry_rets, &a));
   return LaunchFlush<false>(stream, a, "flush_hca");
 }
 

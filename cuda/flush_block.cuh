@@ -548,8 +548,15 @@ __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, 
   }
 }
 
-// Blocks of a flush launch (or of write_layer's flush role).
-inline unsigned FlushGrid(int64_t T) { return cuda::GridFor(T, 1, 2); }
+// Blocks of a flush launch (or of write_layer's flush role): up to two a
+// multiprocessor, and a decode-sized call (T <= kThreads) at most `wave`, the
+// blocks that run at once beside the rest of the launch, its requests then
+// dealt to them by rank (WalkRanked) so that none waits for a second wave.
+inline unsigned FlushGrid(int64_t T, int64_t wave) {
+  const unsigned grid = cuda::GridFor(T, 1, 2);
+  if (T > kThreads || grid <= wave) return grid;
+  return static_cast<unsigned>(wave < 1 ? 1 : wave);
+}
 
 }  // namespace flush_kernel
 }  // namespace dsv4

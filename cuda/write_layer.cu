@@ -74,7 +74,8 @@ inline int64_t LeastScanBlocks(int64_t T) {
 // HCA layer, with the indexer key's shorter one on a multiprocessor beside it.
 inline bool SplitFits(const FlushArgs& f, int64_t append_rows) {
   if (flush_kernel::UseWindowPlan(f)) return false;
-  return 2 * int64_t{flush_kernel::FlushGrid(f.T)} + LeastScanBlocks(append_rows) <=
+  return 2 * int64_t{flush_kernel::FlushGrid(f.T, cuda::SmCount())} +
+             LeastScanBlocks(append_rows) <=
          cuda::SmCount();
 }
 
@@ -83,15 +84,11 @@ ffi::Error LaunchWriteLayer(cudaStream_t stream, const WriteLayerArgs& w, const 
   const bool prefill = flush_kernel::UseWindowPlan(w.flush);
   const int64_t parts = kLayout == FlushLayout::kSplit ? 2 : 1;
   const int64_t least = LeastScanBlocks(w.append.T);
-  int64_t per_part = prefill ? 0 : flush_kernel::FlushGrid(w.flush.T);
-  // a decode-sized flush (rows dealt to blocks by request: WalkRanked) keeps
-  // to the multiprocessors the scan role leaves, so a verify or commit step's
-  // hundreds of rows still run in one wave
-  if (!prefill && w.flush.T <= flush_kernel::kThreads &&
-      parts * per_part + least > cuda::SmCount()) {
-    const int64_t fit = (cuda::SmCount() - least) / parts;
-    per_part = fit < 1 ? 1 : fit;
-  }
+  // a decode-sized flush keeps to the multiprocessors the scan role leaves
+  // (one block a multiprocessor), so a verify or commit step's hundreds of
+  // rows still run in one wave
+  const int64_t per_part =
+      prefill ? 0 : flush_kernel::FlushGrid(w.flush.T, (cuda::SmCount() - least) / parts);
   // a scan role takes the multiprocessors the flush role leaves, so that
   // both run in one wave (one block a multiprocessor: the flush role's
   // registers allow no more), unless its warps would then take more than
@@ -123,7 +120,7 @@ ffi::Error LaunchChosen(cudaStream_t stream, const WriteLayerArgs& w, const char
 }
 
 ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                        int64_t max_rows_per_slot,
+                             int64_t max_rows_per_slot,
                              ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
                              ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                              ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
@@ -133,15 +130,16 @@ ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
                              ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table,
                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(
-      kv_format, max_context, max_rows_per_slot, window_layer, layer, token_slot, token_pos, kv, comp_kv,
-      comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
-      index_inv_freq, block_table, args, rets, &w));
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(kv_format, max_context, max_rows_per_slot,
+                                             window_layer, layer, token_slot, token_pos, kv,
+                                             comp_kv, comp_score, ape, norm, inv_freq, index_kv,
+                                             index_score, index_ape, index_norm, index_inv_freq,
+                                             block_table, args, rets, &w));
   return LaunchChosen<true>(stream, w, "write_layer_csa");
 }
 
 ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                        int64_t max_rows_per_slot,
+                             int64_t max_rows_per_slot,
                              ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
                              ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
                              ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
@@ -149,9 +147,10 @@ ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
                              ffi::AnyBuffer block_table, ffi::RemainingArgs args,
                              ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, max_rows_per_slot, window_layer, layer,
-                                             token_slot, token_pos, kv, comp_kv, comp_score, ape,
-                                             norm, inv_freq, block_table, args, rets, &w));
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, max_rows_per_slot,
+                                             window_layer, layer, token_slot, token_pos, kv,
+                                             comp_kv, comp_score, ape, norm, inv_freq, block_table,
+                                             args, rets, &w));
   return LaunchChosen<false>(stream, w, "write_layer_hca");
 }
 

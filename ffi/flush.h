@@ -234,7 +234,8 @@ inline ffi::Error ValidateFlushCsa(
   FlushArgs a;
   a.csa = true;
   DSV4_RETURN_IF_ERROR(
-      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, block_table, &a));
+      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
+                      block_table, &a));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 2, kCsaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs("index_", "params.index.", a.T, kIndexDim, 2,
@@ -275,7 +276,8 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
   FlushArgs a;
   a.csa = false;
   DSV4_RETURN_IF_ERROR(
-      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, block_table, &a));
+      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
+                      block_table, &a));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 1, kHcaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
   DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_hca", num_aliased_args, 2 + leaves.size()));
@@ -304,10 +306,10 @@ inline ffi::Error ValidateFlushCsa(
     ffi::AnyBuffer errors, const ffi::RemainingRets& entry_rets, FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
-  return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv, score, ape,
-                          norm, inv_freq, index_kv, index_score, index_ape, index_norm,
-                          index_inv_freq, block_table, rest.size(), comp, icomp, packed, iscale,
-                          errors, leaves, out);
+  return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
+                          kv, score, ape, norm, inv_freq, index_kv, index_score, index_ape,
+                          index_norm, index_inv_freq, block_table, rest.size(), comp, icomp, packed,
+                          iscale, errors, leaves, out);
 }
 
 inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
@@ -320,8 +322,9 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
                                    const ffi::RemainingRets& entry_rets, FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
-  return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv, score, ape,
-                          norm, inv_freq, block_table, rest.size(), comp, errors, leaves, out);
+  return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
+                          kv, score, ape, norm, inv_freq, block_table, rest.size(), comp, errors,
+                          leaves, out);
 }
 
 }  // namespace dsv4

@@ -142,10 +142,11 @@ ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows
                         ffi::Result<ffi::AnyBuffer> packed, ffi::Result<ffi::AnyBuffer> iscale,
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(
-      kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv, score, ape, norm, inv_freq,
-      index_kv, index_score, index_ape, index_norm, index_inv_freq, block_table, rest, *comp,
-      *icomp, *packed, *iscale, *errors, entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer,
+                                        token_slot, token_pos, kv, score, ape, norm, inv_freq,
+                                        index_kv, index_score, index_ape, index_norm,
+                                        index_inv_freq, block_table, rest, *comp, *icomp, *packed,
+                                        *iscale, *errors, entry_rets, &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   kFlush(a, l);
@@ -161,9 +162,9 @@ ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows
                         ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> comp,
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, kv,
-                                        score, ape, norm, inv_freq, block_table, rest, *comp,
-                                        *errors, entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer,
+                                        token_slot, token_pos, kv, score, ape, norm, inv_freq,
+                                        block_table, rest, *comp, *errors, entry_rets, &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   kFlush(a, l);

@@ -95,9 +95,9 @@ inline ffi::Error ValidateWriteLayerCsa(
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_csa", kv_format, max_context,
                                                 window_layer, token_slot, token_pos, kv, 5, args,
                                                 rets, out, &fa));
-  return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, comp_kv,
-                          comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape,
-                          index_norm, index_inv_freq, block_table, 5 + fa.leaves.size(),
+  return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
+                          comp_kv, comp_score, ape, norm, inv_freq, index_kv, index_score,
+                          index_ape, index_norm, index_inv_freq, block_table, 5 + fa.leaves.size(),
                           fa.fixed[0], fa.fixed[1], fa.fixed[2], fa.fixed[3], fa.fixed[4],
                           fa.leaves, &out->flush, "comp_");
 }
@@ -113,9 +113,10 @@ inline ffi::Error ValidateWriteLayerHca(
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_hca", kv_format, max_context,
                                                 window_layer, token_slot, token_pos, kv, 2, args,
                                                 rets, out, &fa));
-  return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos, comp_kv,
-                          comp_score, ape, norm, inv_freq, block_table, 2 + fa.leaves.size(),
-                          fa.fixed[0], fa.fixed[1], fa.leaves, &out->flush, "comp_");
+  return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
+                          comp_kv, comp_score, ape, norm, inv_freq, block_table,
+                          2 + fa.leaves.size(), fa.fixed[0], fa.fixed[1], fa.leaves, &out->flush,
+                          "comp_");
 }
 
 }  // namespace dsv4

@@ -15,7 +15,7 @@ void WriteLayerOnHost(const WriteLayerArgs& w, void (*flush)(const FlushArgs&, i
 }
 
 ffi::Error WriteLayerCsaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
-                        ffi::AnyBuffer window_layer,
+                             ffi::AnyBuffer window_layer,
                              ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                              ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv,
                              ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
@@ -25,25 +25,27 @@ ffi::Error WriteLayerCsaImpl(int64_t kv_format, int64_t max_context, int64_t max
                              ffi::AnyBuffer block_table, ffi::RemainingArgs args,
                              ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(
-      kv_format, max_context, max_rows_per_slot, window_layer, layer, token_slot, token_pos, kv, comp_kv,
-      comp_score, ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
-      index_inv_freq, block_table, args, rets, &w));
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(kv_format, max_context, max_rows_per_slot,
+                                             window_layer, layer, token_slot, token_pos, kv,
+                                             comp_kv, comp_score, ape, norm, inv_freq, index_kv,
+                                             index_score, index_ape, index_norm, index_inv_freq,
+                                             block_table, args, rets, &w));
   WriteLayerOnHost(w, FlushCsaOnHost);
   return ffi::Error::Success();
 }
 
 ffi::Error WriteLayerHcaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
-                        ffi::AnyBuffer window_layer,
+                             ffi::AnyBuffer window_layer,
                              ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
                              ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv,
                              ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
                              ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table,
                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, max_rows_per_slot, window_layer, layer,
-                                             token_slot, token_pos, kv, comp_kv, comp_score, ape,
-                                             norm, inv_freq, block_table, args, rets, &w));
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, max_rows_per_slot,
+                                             window_layer, layer, token_slot, token_pos, kv,
+                                             comp_kv, comp_score, ape, norm, inv_freq, block_table,
+                                             args, rets, &w));
   WriteLayerOnHost(w, FlushHcaOnHost);
   return ffi::Error::Success();
 }

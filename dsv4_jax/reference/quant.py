@@ -112,21 +112,19 @@ def divide_by_pow2(x, e):
 
 def times_pow2(x, f):
     """fl(x * f) for f32 x and a power of two f, by exponent arithmetic on
-    the bits where x, f and the result are normal or the result overflows,
-    so XLA cannot fuse the product into a following add as an FMA (it does
-    on the CPU, and an FMA keeps a product that overflows alone finite).
-    Zero, subnormal, Inf and NaN x, subnormal f and results below 2^-126
-    take the float multiply, whose FMA could differ only in a subnormal's
-    rounding."""
-    b = _bits(x)
-    exp = ((b >> 23) & 0xFF).astype(jnp.int32)
+    the bits (divide_by_pow2) where x, f and the result are normal or the
+    result overflows, so XLA cannot fuse the product into a following add as
+    an FMA (it does on the CPU, and an FMA keeps a product that overflows
+    alone finite). Zero, subnormal, Inf and NaN x, subnormal f and results
+    below 2^-126 take the float multiply, whose FMA could differ only in a
+    subnormal's rounding."""
+    exp = ((_bits(x) >> 23) & 0xFF).astype(jnp.int32)
     f_exp = ((_bits(f) >> 23) & 0xFF).astype(jnp.int32)
     new_exp = exp + f_exp - 127
-    sign = b & jnp.uint32(0x80000000)
-    normal = sign | (jnp.clip(new_exp, 1, 254).astype(_U32) << 23) | (b & jnp.uint32(0x7FFFFF))
-    out = jnp.where(new_exp >= 255, sign | jnp.uint32(0x7F800000), normal)
+    inf = jnp.where(_bits(x) >> 31 == 1, jnp.float32(-jnp.inf), jnp.float32(jnp.inf))
+    exact = jnp.where(new_exp >= 255, inf, divide_by_pow2(x, 254 - f_exp))  # / 2^(127 - f_exp)
     by_bits = (exp >= 1) & (exp <= 254) & (f_exp >= 1) & (new_exp >= 1)
-    return jnp.where(by_bits, jax.lax.bitcast_convert_type(out, jnp.float32), x * f)
+    return jnp.where(by_bits, exact, x * f)
 
 
 def e8m0_from_bytes(b):
