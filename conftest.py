@@ -18,6 +18,8 @@ import fnmatch
 import pytest
 
 SLOW = {
+    # the attention benchmark's quick run on bf16 pools (the ds_fp8 one stays)
+    "test_quick_run_bf16_pools",
     # the CPU handlers against the reference over 8 steps of every kv_format
     # (the demo and the per-op parity tests cover the same in the default run)
     "test_ffi_equals_reference_step_by_step",

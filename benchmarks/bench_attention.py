@@ -3,6 +3,7 @@
 prefill chunk, each against the same work done as today's path in the same
 run: gather_window + gather_topk / gather_all + jax.nn.dot_product_attention
 (decode), the jnp reference (prefill: gathers + dense attention).
+`--kv-format bf16` times bf16 pools, which hold nothing to dequantize.
 
 Per case: microseconds per call, on a GPU from its own timeline (`dev_us`:
 the span of one call's kernels, dispatch left out; `us`, host-timed, beside
@@ -29,6 +30,7 @@ from dsv4_jax import config as C
 from dsv4_jax.arguments import output_path
 from dsv4_jax.bench.device_timeline import device_time
 from dsv4_jax.bench.filled_state import filled_state
+from dsv4_jax.bench.inputs import entry_bytes
 from dsv4_jax.bench.timing import BenchRun, Settings
 from dsv4_jax.config import CacheConfig
 from dsv4_jax.ops.attention import attention
@@ -37,7 +39,6 @@ from dsv4_jax.params import yarn_inv_freq
 
 from device import copy_bandwidth
 
-ENTRY_BYTES = 583                         # a ds_fp8 entry
 H100_BF16_TFLOPS = 989.0                  # dense bf16 tensor-core peak, H100 SXM
 LAYER = {"csa": 1, "hca": 2}              # in the (SWA, CSA, HCA, CSA) test pattern
 
@@ -111,7 +112,7 @@ def _copy_rate(b):
 
 def _row(b, case, us, visited, T, H, nbytes):
     """Rates of a case timed at `us`; `nbytes` is what the copy reference moves."""
-    read = visited * ENTRY_BYTES + 2 * T * H * C.HEAD_DIM * 2
+    read = visited * entry_bytes(case["kv_format"]) + 2 * T * H * C.HEAD_DIM * 2
     flops = 4.0 * H * C.HEAD_DIM * visited
     rate = _copy_rate(b)
     copy_us = 2 * nbytes / rate * 1e6 if rate else b.copy_seconds(nbytes) * 1e6
@@ -119,12 +120,13 @@ def _row(b, case, us, visited, T, H, nbytes):
                 copy_frac=copy_us / us, tflops=flops / us / 1e6)
 
 
-def bench_decode(b, batches, contexts, kinds, H, k, peak, with_baseline=True, kernel="auto"):
+def bench_decode(b, batches, contexts, kinds, H, k, peak, with_baseline=True, kernel="auto",
+                 kv_format="ds_fp8"):
     rng = np.random.default_rng(0)
     inv = jnp.asarray(yarn_inv_freq())
     for ctx in contexts:
         for B in batches:
-            cfg = CacheConfig.tiny(max_requests=B, max_context=ctx)
+            cfg = CacheConfig.tiny(max_requests=B, max_context=ctx, kv_format=kv_format)
             state = filled_state(cfg, ctx)
             slot = jnp.arange(B, dtype=jnp.int32)
             pos = jnp.full((B,), ctx - 1, jnp.int32)
@@ -142,9 +144,10 @@ def bench_decode(b, batches, contexts, kinds, H, k, peak, with_baseline=True, ke
                 args = (state, q, tk, slot, pos, sink)
                 visited = B * (C.WINDOW + (k if kind == "csa" else ctx // C.HCA_RATIO))
                 us, host_us, dev_us = _timed(b, lambda: fused(*args))
-                nbytes = visited * ENTRY_BYTES + 2 * B * H * C.HEAD_DIM * 2
+                nbytes = visited * entry_bytes(kv_format) + 2 * B * H * C.HEAD_DIM * 2
                 row = _row(b, dict(op="attention", mode="decode", kind=kind, B=B, context=ctx,
-                                   kernel=kernel), us, visited, B, H, nbytes)
+                                   kernel=kernel, kv_format=kv_format), us, visited, B, H,
+                           nbytes)
                 row.update(peak_frac=row["tflops"] / peak, host_us=host_us, dev_us=dev_us)
                 if with_baseline:
                     base_us, base_host_us, base_dev_us = _timed(b, lambda: base(*args))
@@ -155,11 +158,11 @@ def bench_decode(b, batches, contexts, kinds, H, k, peak, with_baseline=True, ke
             del state
 
 
-def bench_prefill(b, n, kinds, H, k, peak, with_baseline=True, kernel="auto"):
+def bench_prefill(b, n, kinds, H, k, peak, with_baseline=True, kernel="auto", kv_format="ds_fp8"):
     """One request's first chunk of n tokens (flushed entries for all of it)."""
     rng = np.random.default_rng(1)
     inv = jnp.asarray(yarn_inv_freq())
-    cfg = CacheConfig.tiny(max_requests=1, max_context=n)
+    cfg = CacheConfig.tiny(max_requests=1, max_context=n, kv_format=kv_format)
     state = filled_state(cfg, n)
     state = state.__class__(state.block_table, state.swa.__class__(
         state.swa.kv, jnp.full_like(state.swa.pos, -1)), state.csa, state.hca, state.errors,
@@ -181,8 +184,8 @@ def bench_prefill(b, n, kinds, H, k, peak, with_baseline=True, kernel="auto"):
         comp = np.minimum((p + 1) // 4, k) if kind == "csa" else (p + 1) // C.HCA_RATIO
         visited = int(np.sum(np.minimum(p + 1, C.WINDOW) + comp))
         row = _row(b, dict(op="attention", mode="prefill", kind=kind, B=1, context=n,
-                           kernel=kernel), us, visited, n, H,
-                   visited * ENTRY_BYTES + 4 * n * H * C.HEAD_DIM)
+                           kernel=kernel, kv_format=kv_format), us, visited, n, H,
+                   visited * entry_bytes(kv_format) + 4 * n * H * C.HEAD_DIM)
         row.update(peak_frac=row["tflops"] / peak, host_us=host_us, dev_us=dev_us)
         if with_baseline:
             ref_us, ref_host_us, ref_dev_us = _timed(b, lambda: calls["reference"](*args))
@@ -205,20 +208,23 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", choices=("auto", "mma_sync"), default="auto",
                     help="the CUDA kernel (attention's `kernel`): auto, or the warp-level "
                          "mma.sync one Blackwell runs")
+    ap.add_argument("--kv-format", choices=C.KV_FORMATS, default="ds_fp8",
+                    help="the pools' entry format (bf16: nothing to dequantize)")
     args = ap.parse_args(argv)
     base = not args.no_baseline
     if args.quick:
         b = BenchRun(Settings(reps=args.reps or 2, batch=1, with_reference=False))
         bench_decode(b, (1, 2), (512,), ("csa", "hca"), H=4, k=16, peak=args.peak_tflops,
-                     with_baseline=base, kernel=args.kernel)
+                     with_baseline=base, kernel=args.kernel, kv_format=args.kv_format)
         bench_prefill(b, 256, ("csa", "hca"), H=4, k=16, peak=args.peak_tflops,
-                      with_baseline=base, kernel=args.kernel)
+                      with_baseline=base, kernel=args.kernel, kv_format=args.kv_format)
     else:
         b = BenchRun(Settings(reps=args.reps or 20, batch=10, with_reference=False))
         bench_decode(b, args.batches, (4096, 65536), ("csa", "hca"), H=64, k=512,
-                     peak=args.peak_tflops, with_baseline=base, kernel=args.kernel)
+                     peak=args.peak_tflops, with_baseline=base, kernel=args.kernel,
+                     kv_format=args.kv_format)
         bench_prefill(b, 4096, ("csa", "hca"), H=64, k=512, peak=args.peak_tflops,
-                      with_baseline=base, kernel=args.kernel)
+                      with_baseline=base, kernel=args.kernel, kv_format=args.kv_format)
     rate = _copy_rate(b)
     b.record(op="copy", gbps=rate / 1e9 if rate else b.copy_gbps,
              timeline=rate is not None)
