@@ -121,7 +121,7 @@ def times_pow2(x, f):
     exp = ((_bits(x) >> 23) & 0xFF).astype(jnp.int32)
     f_exp = ((_bits(f) >> 23) & 0xFF).astype(jnp.int32)
     new_exp = exp + f_exp - 127
-    inf = jnp.where(_bits(x) >> 31 == 1, jnp.float32(-jnp.inf), jnp.float32(jnp.inf))
+    inf = jnp.copysign(jnp.float32(jnp.inf), x)
     exact = jnp.where(new_exp >= 255, inf, divide_by_pow2(x, 254 - f_exp))  # / 2^(127 - f_exp)
     by_bits = (exp >= 1) & (exp <= 254) & (f_exp >= 1) & (new_exp >= 1)
     return jnp.where(by_bits, exact, x * f)
