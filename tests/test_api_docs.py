@@ -1,5 +1,6 @@
-"""docs/api.md is what tools/gen_api.py writes from today's docstrings, and
-it covers every public name."""
+"""The API reference (docs/api.md and its section pages under docs/api/) is
+what tools/gen_api.py writes from today's docstrings, and it covers every
+public name."""
 import difflib
 import importlib.resources
 import importlib.util
@@ -9,6 +10,21 @@ import re
 import dsv4_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def pages() -> dict[str, str]:
+    """Every page of the reference on disk, {path relative to docs/: text}."""
+    paths = [DOCS / "api.md"] + sorted((DOCS / "api").glob("*.md"))
+    return {str(p.relative_to(DOCS)): p.read_text() for p in paths}
+
+
+def sections() -> dict[str, str]:
+    """Every "## title" section of every page: {title: its text}."""
+    out = {}
+    for text in pages().values():
+        out.update(re.findall(r"^## ([^\n]+)\n(.*?)(?=^## |\Z)", text, re.M | re.S))
+    return out
 
 
 def load_generator():
@@ -19,13 +35,16 @@ def load_generator():
 
 
 def test_api_reference_is_up_to_date():
-    text, _ = load_generator().render()
-    on_disk = (ROOT / "docs" / "api.md").read_text()
-    if text != on_disk:
-        diff = "".join(list(difflib.unified_diff(
-            on_disk.splitlines(True), text.splitlines(True), "docs/api.md", "regenerated"))[:60])
-        raise AssertionError("docs/api.md is stale: run `python tools/gen_api.py` and commit "
-                             "it\n" + diff)
+    want, _ = load_generator().render()
+    on_disk = pages()
+    assert set(on_disk) == set(want), "pages added or removed: run `python tools/gen_api.py`"
+    for path, text in want.items():
+        if text != on_disk[path]:
+            diff = "".join(list(difflib.unified_diff(
+                on_disk[path].splitlines(True), text.splitlines(True), f"docs/{path}",
+                "regenerated"))[:60])
+            raise AssertionError(f"docs/{path} is stale: run `python tools/gen_api.py` and "
+                                 "commit it\n" + diff)
 
 
 def test_every_public_object_has_a_docstring():
@@ -34,7 +53,7 @@ def test_every_public_object_has_a_docstring():
 
 
 def test_every_public_name_has_an_entry():
-    text = (ROOT / "docs" / "api.md").read_text()
+    text = "\n".join(pages().values())
     headings = set(re.findall(r"^### `dsv4_jax\.(?:\w+\.)?(\w+)`$", text, re.M))
     assert set(dsv4_jax.__all__) <= headings, set(dsv4_jax.__all__) - headings
     for name in ("shard_config", "init_sharded_state", "ShardedCacheManager"):
@@ -42,22 +61,23 @@ def test_every_public_name_has_an_entry():
 
 
 def test_api_reference_is_well_formed_markdown():
-    """Fences balanced, so no code block swallows the rest of the page, and
+    """Fences balanced, so no code block swallows the rest of a page, and
     every heading one level below the one it sits under at most."""
-    lines = (ROOT / "docs" / "api.md").read_text().splitlines()
-    fences = [i for i, l in enumerate(lines) if l.startswith("```")]
-    assert len(fences) % 2 == 0, "an unclosed ``` fence"
-    inside = set()
-    for start, end in zip(fences[::2], fences[1::2]):
-        assert lines[start] in ("```python", "```text"), lines[start]
-        assert lines[end] == "```", (end + 1, lines[end])
-        inside.update(range(start, end + 1))
-    level = 0
-    for i, l in enumerate(lines):
-        if i not in inside and l.startswith("#"):
-            new = len(l) - len(l.lstrip("#"))
-            assert new <= level + 1, f"line {i + 1}: heading level {new} under level {level}"
-            level = new
+    for path, text in pages().items():
+        lines = text.splitlines()
+        fences = [i for i, l in enumerate(lines) if l.startswith("```")]
+        assert len(fences) % 2 == 0, f"{path}: an unclosed ``` fence"
+        inside = set()
+        for start, end in zip(fences[::2], fences[1::2]):
+            assert lines[start] in ("```python", "```text"), (path, lines[start])
+            assert lines[end] == "```", (path, end + 1, lines[end])
+            inside.update(range(start, end + 1))
+        level = 0
+        for i, l in enumerate(lines):
+            if i not in inside and l.startswith("#"):
+                new = len(l) - len(l.lstrip("#"))
+                assert new <= level + 1, f"{path} line {i + 1}: heading level {new} under {level}"
+                level = new
 
 
 def test_package_is_typed():
@@ -68,11 +88,10 @@ def test_every_op_is_under_ops_and_the_conventions_name_them():
     """The reference lists each op under "Ops", none under "Other names", and
     its conventions cover the ops a model calls (write_layer, attention) and
     what jax.vmap does."""
-    text = (ROOT / "docs" / "api.md").read_text()
-    sections = dict(re.findall(r"^## ([^\n]+)\n(.*?)(?=^## |\Z)", text, re.M | re.S))
-    assert "Other names" not in sections
+    sections_ = sections()
+    assert "Other names" not in sections_
     for op in ("apply_step", "append", "flush", "write_layer", "indexer_topk", "attention",
                "gather_window", "gather_topk", "gather_all"):
-        assert f"### `dsv4_jax.{op}`" in sections["Ops"], op
+        assert f"### `dsv4_jax.{op}`" in sections_["Ops"], op
     for name in ("`write_layer`", "`attention`", "`jax.vmap`"):
-        assert name in sections["Conventions"], name
+        assert name in sections_["Conventions"], name
