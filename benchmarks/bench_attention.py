@@ -205,6 +205,11 @@ def main(argv=None) -> int:
                     help="time attention alone (no gathers + dense path, no jnp reference)")
     ap.add_argument("--batches", type=lambda v: tuple(int(x) for x in v.split(",")),
                     default=(1, 8, 64, 128), help="decode batch sizes (default 1,8,64,128)")
+    ap.add_argument("--contexts", type=lambda v: tuple(int(x) for x in v.split(",")),
+                    default=(4096, 65536),
+                    help="decode contexts (default 4096,65536; 1048576: 1M tokens, CSA 512 "
+                         "picks among 262,144 entries, HCA all 8,192)")
+    ap.add_argument("--no-prefill", action="store_true", help="decode cases only")
     ap.add_argument("--kernel", choices=("auto", "mma_sync"), default="auto",
                     help="the CUDA kernel (attention's `kernel`): auto, or the warp-level "
                          "mma.sync one Blackwell runs")
@@ -220,11 +225,12 @@ def main(argv=None) -> int:
                       with_baseline=base, kernel=args.kernel, kv_format=args.kv_format)
     else:
         b = BenchRun(Settings(reps=args.reps or 20, batch=10, with_reference=False))
-        bench_decode(b, args.batches, (4096, 65536), ("csa", "hca"), H=64, k=512,
+        bench_decode(b, args.batches, args.contexts, ("csa", "hca"), H=64, k=512,
                      peak=args.peak_tflops, with_baseline=base, kernel=args.kernel,
                      kv_format=args.kv_format)
-        bench_prefill(b, 4096, ("csa", "hca"), H=64, k=512, peak=args.peak_tflops,
-                      with_baseline=base, kernel=args.kernel, kv_format=args.kv_format)
+        if not args.no_prefill:
+            bench_prefill(b, 4096, ("csa", "hca"), H=64, k=512, peak=args.peak_tflops,
+                          with_baseline=base, kernel=args.kernel, kv_format=args.kv_format)
     rate = _copy_rate(b)
     b.record(op="copy", gbps=rate / 1e9 if rate else b.copy_gbps,
              timeline=rate is not None)

@@ -86,35 +86,71 @@ __device__ __forceinline__ bool AttnBeginToken(const AttentionArgs& a, int64_t t
   return true;
 }
 
-// p0 of request s: the smallest good position among the call's rows of s
-// (LLONG_MAX without a chunk). Block-wide: every thread of the block calls.
-__device__ __forceinline__ int64_t AttnFirstPos(const AttentionArgs& a, int64_t s, int* scratch) {
-  if (!a.has_chunk) return LLONG_MAX;
-  if (threadIdx.x == 0) *scratch = INT_MAX;
+// The chunk rows a query of request s may see. The window sees positions
+// p - 127 .. p only, so when the call's good rows of s lie together in row
+// order with consecutive positions (as prepare_step lays a chunk out), every
+// row a query at row t sees is among rows t - 127 .. t and only those are
+// candidates; otherwise every chunk row is. Either way the seen rows and
+// their order are the same (docs/design.md §6): this only skips rows that
+// cannot be seen.
+struct AttnChunkRows {
+  int64_t first_pos = LLONG_MAX;   // p0 of request s: its smallest good position in the call
+  int64_t lo = 0, n = 0;           // candidate chunk rows lo .. lo + n - 1 (clipped to the call)
+};
+
+// Per CTA scratch of AttnScanChunk: p0, the first and last good row of s,
+// their count and the range of pos - row over them.
+struct AttnChunkScratch {
+  int first_pos, first_row, last_row, count, lag_min, lag_max;
+};
+
+// AttnChunkRows of query row t of request s (block-wide: every thread of the
+// block calls).
+__device__ __forceinline__ AttnChunkRows AttnScanChunk(const AttentionArgs& a, int64_t t,
+                                                       int64_t s, AttnChunkScratch* sc) {
+  AttnChunkRows c;
+  if (!a.has_chunk) return c;
+  if (threadIdx.x == 0) *sc = AttnChunkScratch{INT_MAX, INT_MAX, -1, 0, INT_MAX, INT_MIN};
   __syncthreads();
-  for (int64_t r = threadIdx.x; r < a.T; r += blockDim.x)
-    if (__ldg(a.slot + r) == s && QueryPositionOk(__ldg(a.pos + r), a.MB))
-      atomicMin(scratch, __ldg(a.pos + r));
+  for (int64_t r = threadIdx.x; r < a.T; r += blockDim.x) {
+    const int64_t rp = __ldg(a.pos + r);
+    if (__ldg(a.slot + r) != s || !QueryPositionOk(rp, a.MB)) continue;
+    atomicMin(&sc->first_pos, static_cast<int>(rp));
+    atomicMin(&sc->first_row, static_cast<int>(r));
+    atomicMax(&sc->last_row, static_cast<int>(r));
+    atomicAdd(&sc->count, 1);
+    atomicMin(&sc->lag_min, static_cast<int>(rp - r));
+    atomicMax(&sc->lag_max, static_cast<int>(rp - r));
+  }
   __syncthreads();
-  return *scratch;
+  const AttnChunkScratch k = *sc;
+  c.first_pos = k.first_pos == INT_MAX ? LLONG_MAX : k.first_pos;
+  const bool one_run = k.count > 0 && k.last_row - k.first_row + 1 == k.count &&
+                       k.lag_min == k.lag_max;
+  c.lo = one_run ? t - kWindow + 1 : 0;
+  c.n = one_run ? kWindow : a.T;
+  return c;
 }
 
-// Candidate items of a query at position p: the 128 window positions, the
-// call's chunk rows, then the CSA picks or the HCA entries it may see.
-__device__ __forceinline__ int64_t AttnCandidates(const AttentionArgs& a, int64_t p) {
+// Candidate items of a query at position p: the 128 window positions, its
+// candidate chunk rows, then the CSA picks or the HCA entries it may see.
+__device__ __forceinline__ int64_t AttnCandidates(const AttentionArgs& a, int64_t p,
+                                                  const AttnChunkRows& chunk) {
   const int64_t extra = a.kind == kAttnCsa ? a.K : a.kind == kAttnHca ? HcaVisible(p, a.MB) : 0;
-  return kWindow + (a.has_chunk ? a.T : 0) + extra;
+  return kWindow + chunk.n + extra;
 }
 
 // Whether item `it` of token t = (s, p) is seen; sets its source and entry
-// (or chunk row), and counts a bad CSA index or a missing block when
-// `counts` (one block per item counts). `check_chunk_row` false leaves the
+// (or chunk row: candidate it - 128 of `chunk`), and counts a bad CSA index
+// or a missing block when `counts` (one block per item counts). `check_chunk_row` false leaves the
 // finiteness of a chunk row to the caller; true reads the encoding pass's
 // flag when there is one (a.chunk_finite), else scans the row.
 __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l, int64_t lk,
                                                int64_t t, int64_t s, int64_t p,
-                                               int64_t first_pos, int64_t it, bool counts,
-                                               bool check_chunk_row, uint8_t* src, int64_t* e) {
+                                               const AttnChunkRows& chunk, int64_t it,
+                                               bool counts, bool check_chunk_row, uint8_t* src,
+                                               int64_t* e) {
+  const int64_t first_pos = chunk.first_pos;
   const int64_t lo = p - kWindow + 1 > 0 ? p - kWindow + 1 : 0;
   if (it < kWindow) {
     const int64_t w = lo + it;
@@ -124,19 +160,19 @@ __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l
     return __ldg(a.swa_pos + *e) == w;
   }
   it -= kWindow;
-  if (a.has_chunk) {
-    if (it < a.T) {
-      const int64_t rs = __ldg(a.slot + it), rp = __ldg(a.pos + it);
-      if (rs != s || !QueryPositionOk(rp, a.MB) || !WindowSees(rp, p)) return false;
-      if (check_chunk_row && !(a.chunk_finite != nullptr ? __ldg(a.chunk_finite + it) != 0
-                                                        : RowFinite(a.chunk_kv + it * kHeadDim)))
-        return false;
-      *e = it;
-      *src = kFromChunk;
-      return true;
-    }
-    it -= a.T;
+  if (it < chunk.n) {
+    const int64_t r = chunk.lo + it;
+    if (r < 0 || r >= a.T) return false;
+    const int64_t rs = __ldg(a.slot + r), rp = __ldg(a.pos + r);
+    if (rs != s || !QueryPositionOk(rp, a.MB) || !WindowSees(rp, p)) return false;
+    if (check_chunk_row && !(a.chunk_finite != nullptr ? __ldg(a.chunk_finite + r) != 0
+                                                      : RowFinite(a.chunk_kv + r * kHeadDim)))
+      return false;
+    *e = r;
+    *src = kFromChunk;
+    return true;
   }
+  it -= chunk.n;
   if (!AttnCompressedItem(a, lk, t, s, p, it, LoadReadOnly(), CountOnDevice{a.errors, counts}, e))
     return false;
   *src = kFromPool;

@@ -80,7 +80,7 @@ struct LoopShared {
   uint8_t list_src[kListCap];
   float row_max[2][kHeads];                     // each consumer's tile maxima (log2 units)
   int warp_count[4];
-  int first_pos;
+  AttnChunkScratch chunk;
   float2 rot[kRopeDim / 2];                     // the token's RoPE cos, sin (the finish's)
 };
 union Shared {
@@ -158,6 +158,7 @@ struct RowPart {
 };
 
 // Issues the loads of the lane's part of entry e (fp8 pools; not waited for).
+template <int kFmt>
 __device__ __forceinline__ void LoadRowPart(const AttentionArgs& a, uint8_t src, int64_t e,
                                             int qd, RowPart* x) {
   const EntryPool& pool = SourcePool(a, src);
@@ -167,7 +168,7 @@ __device__ __forceinline__ void LoadRowPart(const AttentionArgs& a, uint8_t src,
   for (int j = 0; j < kFp8Loads; ++j) x->v[j] = __ldg(codes + qd + kRowLanes * j);
 #pragma unroll
   for (int j = 0; j < kRopeLoads; ++j) x->v[kFp8Loads + j] = __ldg(rope + qd + kRowLanes * j);
-  if (a.ring.fmt == kDsFp8) {
+  if constexpr (kFmt == kDsFp8) {
     // entry e's 7 scale bytes start at byte 7e, (3 (e mod 4)) mod 4 into its first word;
     // they lie in 3 aligned words, none read past the pool
     const int64_t word = e * kNopeTiles / 4;
@@ -186,13 +187,13 @@ __device__ __forceinline__ void LoadRowPart(const AttentionArgs& a, uint8_t src,
 // Dequantizes the lane's part of a row into row r of a bf16 tile: code piece
 // qd + 4j is channels 16 (qd + 4j) .. + 15, chunks 2 (qd + 4j) and + 1, all of
 // ds_fp8's scale tile j; RoPE piece qd + 4j is chunk kNopeChunks + qd + 4j.
-__device__ __forceinline__ void StoreRowPart(int fmt, const RowPart& x, int qd, uint8_t* tile,
-                                             int r) {
+template <int kFmt>
+__device__ __forceinline__ void StoreRowPart(const RowPart& x, int qd, uint8_t* tile, int r) {
   const uint64_t sw = (static_cast<uint64_t>(x.scale[1]) << 32) | x.scale[0];
 #pragma unroll
   for (int j = 0; j < kFp8Loads; ++j) {
     float s;
-    if (fmt == kDsFp8) {
+    if constexpr (kFmt == kDsFp8) {
       const int byte = x.soff + j;
       const uint32_t b = byte < 8 ? static_cast<uint32_t>(sw >> (8 * byte))
                                   : x.scale[2] >> (8 * (byte - 8));
@@ -218,18 +219,18 @@ __device__ __forceinline__ void StoreRowPart(int fmt, const RowPart& x, int qd, 
 // one after the other, every load of a row issued before its first store: a
 // lane's two rows are its only dependent chains a tile. bf16 pools are copied
 // in the same quads, 16 chunks a lane a row.
-__device__ void DequantRowsToTile(const AttentionArgs& a, const LoopShared& sm, uint8_t* tile,
-                                  int n) {
+template <int kFmt>
+__device__ __forceinline__ void DequantRowsToTileFmt(const AttentionArgs& a, const LoopShared& sm,
+                                                     uint8_t* tile, int n) {
   const int tid = threadIdx.x, qd = tid & (kRowLanes - 1), r0 = tid / kRowLanes;
   constexpr int kRowsALane = kTileRows * kRowLanes / 128;
-  const int fmt = a.ring.fmt;
-  if (fmt != kBf16) {
+  if constexpr (kFmt != kBf16) {
     for (int i = 0; i < kRowsALane; ++i) {
       const int r = r0 + 32 * i;
       if (r < n) {
         RowPart x;
-        LoadRowPart(a, sm.list_src[r], sm.list[r], qd, &x);
-        StoreRowPart(fmt, x, qd, tile, r);
+        LoadRowPart<kFmt>(a, sm.list_src[r], sm.list[r], qd, &x);
+        StoreRowPart<kFmt>(x, qd, tile, r);
       } else {
         for (int c = qd; c < kChunks; c += kRowLanes)
           *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, c)) = make_uint4(0, 0, 0, 0);
@@ -260,14 +261,24 @@ __device__ void DequantRowsToTile(const AttentionArgs& a, const LoopShared& sm, 
   }
 }
 
+// One instantiation per pool format, chosen once a tile: the row loop tests
+// no format (docs/perf/attention.md measures the difference).
+__device__ __forceinline__ void DequantRowsToTile(const AttentionArgs& a, const LoopShared& sm,
+                                                  uint8_t* tile, int n) {
+  if (a.ring.fmt == kDsFp8) DequantRowsToTileFmt<kDsFp8>(a, sm, tile, n);
+  else if (a.ring.fmt == kFp8Token) DequantRowsToTileFmt<kFp8Token>(a, sm, tile, n);
+  else DequantRowsToTileFmt<kBf16>(a, sm, tile, n);
+}
+
 // The producer warpgroup: decide items [c0, c1) of token t, 128 at a time,
 // and dequantize each tile of 64 seen items into one of the two bf16 tiles
 // (the consumers' products run on the other), handing it over once written;
 // then the end marker.
 template <class Products>
-__device__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l, int64_t lk, int64_t t,
-                        int64_t s, int64_t p, int64_t first_pos, int64_t c0, int64_t c1,
-                        bool counts) {
+__device__ __forceinline__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l,
+                                        int64_t lk, int64_t t, int64_t s, int64_t p,
+                                        const AttnChunkRows& chunk, int64_t c0, int64_t c1,
+                                        bool counts) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int pending = 0, tiles = 0;
   auto emit = [&](int n) {
@@ -298,7 +309,7 @@ __device__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l, int64
     int64_t e = 0;
     const int64_t it = base + tid;
     const bool seen =
-        it < c1 && AttnDecideItem(a, l, lk, t, s, p, first_pos, it, counts, true, &src, &e);
+        it < c1 && AttnDecideItem(a, l, lk, t, s, p, chunk, it, counts, true, &src, &e);
     const unsigned ballot = __ballot_sync(kFull, seen);
     if (lane == 0) sm.warp_count[warp] = __popc(ballot);
     BarSync(kProducerSync, 128);
@@ -335,8 +346,8 @@ __device__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l, int64
 // it once), where the finish through the partial is one short loop and no
 // slower.
 template <class Products>
-__device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int split, int64_t t,
-                        int64_t h0, int c) {
+__device__ __forceinline__ void Consume(const AttentionArgs& a, Shared& shared, int splits,
+                                        int split, int64_t t, int64_t h0, int c) {
   LoopShared& sm = shared.loop;
   const int tid = threadIdx.x - 128 * (c + 1);
   const int warp = tid >> 5, lane = tid & 31, quad = lane & 3;
@@ -449,9 +460,13 @@ __device__ void Consume(const AttentionArgs& a, Shared& shared, int splits, int 
 template <class Products>
 __global__ void __launch_bounds__(kThreads, 1)
     AttentionKernel(AttentionArgs a, int splits) {
-  extern __shared__ uint8_t smem_raw[];
-  Shared& shared = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                              ~static_cast<uintptr_t>(1023));
+  // wgmma's swizzle works on absolute shared addresses: a 1024-byte aligned
+  // base, found by adding an offset to the __shared__ array itself. Formed
+  // through an integer, the pointer loses its state space and every tile
+  // access compiles to a generic ST.E / LD.E instead of STS / LDS.
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const uint32_t raw = SharedAddress(smem_raw);
+  Shared& shared = *reinterpret_cast<Shared*>(smem_raw + (((raw + 1023u) & ~1023u) - raw));
   LoopShared& sm = shared.loop;
   const int tid = threadIdx.x;
   const int64_t t = blockIdx.x / splits, h0 = static_cast<int64_t>(blockIdx.y) * kHeads;
@@ -496,14 +511,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     AttnWriteDropped(a, t, h0, split == 0);
     return;
   }
-  const int64_t first_pos = AttnFirstPos(a, s, &sm.first_pos);
-  const int64_t items = AttnCandidates(a, p);
+  const AttnChunkRows chunk = AttnScanChunk(a, t, s, &sm.chunk);
+  const int64_t items = AttnCandidates(a, p, chunk);
   const int64_t c0 = items * split / splits, c1 = items * (split + 1) / splits;
   Products::FenceShared();                       // q, written above, is read by the products
   __syncthreads();
   if (tid < 128) {
     RegsDown<kProducerRegs>();
-    Produce<Products>(a, sm, l, lk, t, s, p, first_pos, c0, c1, blockIdx.y == 0);
+    Produce<Products>(a, sm, l, lk, t, s, p, chunk, c0, c1, blockIdx.y == 0);
     if (tid < 32) WarpRopeTable(a, t, sm.rot);   // while the consumers end
     RegsUp<kLaunchRegs>();                       // back to the launch's share for the finish
   } else {
