@@ -180,6 +180,34 @@ def prefill_case(fmt, kind, **kw):
 
 
 @every_impl
+@pytest.mark.parametrize("layout", ["one_run", "gap", "two_runs", "padding_inside"])
+def test_prefill_chunk_row_layouts(layout):
+    """The CUDA kernel takes a prefill query's chunk candidates from rows
+    t - 127 .. t alone when its request's rows form one run of consecutive
+    positions; every other layout must still see each window row the chunk
+    holds: a gap in a request's positions, a request in two runs around
+    another's, a padding row inside a run. Queries 128 and more rows into a
+    run see rows both near and far before them."""
+    rng = np.random.default_rng(hash(("chunk layouts", layout)) % 2 ** 32)
+    fmt = "ds_fp8"
+    rows0 = [(0, 100 + i) for i in range(200)]
+    rows1 = [(1, 30 + i) for i in range(40)]
+    if layout == "gap":
+        rows0 = rows0[:70] + [(0, p + 5) for _, p in rows0[70:]]
+    if layout == "padding_inside":
+        rows0 = rows0[:90] + [(-1, 0)] + rows0[90:]
+    rows = rows0[:120] + rows1 + rows0[120:] if layout == "two_runs" else rows0 + rows1
+    slot = np.int32([r[0] for r in rows])
+    pos = np.int32([r[1] for r in rows])
+    state = AO.random_state(fmt, {0: 100, 1: 30}, seed=9,
+                            capacity={0: int(pos[slot == 0].max()) + 1, 1: 70})
+    H = 4
+    chunk = bf16(rng.standard_normal((len(slot), 512)))
+    check(state, LAYER["csa"], queries(rng, len(slot), H), slot, pos,
+          rng.normal(0, 1, H).astype(np.float32), picks(rng, pos, 16), chunk)
+
+
+@every_impl
 @pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
 def test_prefill_chunk_equals_decoding_one_by_one(kind, impl_under_test):
     """Chunk mode before the append gives what appending the tokens one at a
