@@ -89,13 +89,15 @@ __device__ __forceinline__ bool AttnBeginToken(const AttentionArgs& a, int64_t t
 // The chunk rows a query of request s may see. The window sees positions
 // p - 127 .. p only, so when the call's good rows of s lie together in row
 // order with consecutive positions (as prepare_step lays a chunk out), every
-// row a query at row t sees is among rows t - 127 .. t and only those are
-// candidates; otherwise every chunk row is. Either way the seen rows and
-// their order are the same (docs/design.md §6): this only skips rows that
-// cannot be seen.
+// row a query at row t sees is among rows t - 127 .. t, and the producer
+// decides only those; otherwise every chunk row. The candidate items and
+// their split among a cluster's CTAs stay the same either way, so the rows
+// seen, their order and each CTA's share are the same: this only skips rows
+// that cannot be seen, and a call gives the same bits whichever rows it
+// finds in one run.
 struct AttnChunkRows {
   int64_t first_pos = LLONG_MAX;   // p0 of request s: its smallest good position in the call
-  int64_t lo = 0, n = 0;           // candidate chunk rows lo .. lo + n - 1 (clipped to the call)
+  int64_t lo = 0, hi = 0;          // chunk rows lo .. hi - 1 are decided (within the call)
 };
 
 // Per CTA scratch of AttnScanChunk: p0, the first and last good row of s,
@@ -127,22 +129,34 @@ __device__ __forceinline__ AttnChunkRows AttnScanChunk(const AttentionArgs& a, i
   c.first_pos = k.first_pos == INT_MAX ? LLONG_MAX : k.first_pos;
   const bool one_run = k.count > 0 && k.last_row - k.first_row + 1 == k.count &&
                        k.lag_min == k.lag_max;
-  c.lo = one_run ? t - kWindow + 1 : 0;
-  c.n = one_run ? kWindow : a.T;
+  c.lo = one_run && t - kWindow + 1 > 0 ? t - kWindow + 1 : 0;
+  c.hi = one_run ? t + 1 : a.T;
   return c;
 }
 
-// Candidate items of a query at position p: the 128 window positions, its
-// candidate chunk rows, then the CSA picks or the HCA entries it may see.
-__device__ __forceinline__ int64_t AttnCandidates(const AttentionArgs& a, int64_t p,
-                                                  const AttnChunkRows& chunk) {
+// Candidate items of a query at position p: the 128 window positions, the
+// call's chunk rows, then the CSA picks or the HCA entries it may see.
+__device__ __forceinline__ int64_t AttnCandidates(const AttentionArgs& a, int64_t p) {
   const int64_t extra = a.kind == kAttnCsa ? a.K : a.kind == kAttnHca ? HcaVisible(p, a.MB) : 0;
-  return kWindow + chunk.n + extra;
+  return kWindow + (a.has_chunk ? a.T : 0) + extra;
+}
+
+// The candidate items before `end` worth deciding, as three ranges [lo, hi):
+// the window, `chunk`'s rows, the compressed entries.
+__device__ __forceinline__ void AttnLiveItems(const AttentionArgs& a, int64_t end,
+                                              const AttnChunkRows& chunk, int64_t (*live)[2]) {
+  const int64_t after_chunk = kWindow + (a.has_chunk ? a.T : 0);
+  live[0][0] = 0;
+  live[0][1] = kWindow;
+  live[1][0] = kWindow + chunk.lo;
+  live[1][1] = kWindow + chunk.hi;
+  live[2][0] = after_chunk;
+  live[2][1] = end;
 }
 
 // Whether item `it` of token t = (s, p) is seen; sets its source and entry
-// (or chunk row: candidate it - 128 of `chunk`), and counts a bad CSA index
-// or a missing block when `counts` (one block per item counts). `check_chunk_row` false leaves the
+// (or chunk row), and counts a bad CSA index or a missing block when
+// `counts` (one block per item counts). `check_chunk_row` false leaves the
 // finiteness of a chunk row to the caller; true reads the encoding pass's
 // flag when there is one (a.chunk_finite), else scans the row.
 __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l, int64_t lk,
@@ -160,19 +174,19 @@ __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l
     return __ldg(a.swa_pos + *e) == w;
   }
   it -= kWindow;
-  if (it < chunk.n) {
-    const int64_t r = chunk.lo + it;
-    if (r < 0 || r >= a.T) return false;
-    const int64_t rs = __ldg(a.slot + r), rp = __ldg(a.pos + r);
-    if (rs != s || !QueryPositionOk(rp, a.MB) || !WindowSees(rp, p)) return false;
-    if (check_chunk_row && !(a.chunk_finite != nullptr ? __ldg(a.chunk_finite + r) != 0
-                                                      : RowFinite(a.chunk_kv + r * kHeadDim)))
-      return false;
-    *e = r;
-    *src = kFromChunk;
-    return true;
+  if (a.has_chunk) {
+    if (it < a.T) {
+      const int64_t rs = __ldg(a.slot + it), rp = __ldg(a.pos + it);
+      if (rs != s || !QueryPositionOk(rp, a.MB) || !WindowSees(rp, p)) return false;
+      if (check_chunk_row && !(a.chunk_finite != nullptr ? __ldg(a.chunk_finite + it) != 0
+                                                        : RowFinite(a.chunk_kv + it * kHeadDim)))
+        return false;
+      *e = it;
+      *src = kFromChunk;
+      return true;
+    }
+    it -= a.T;
   }
-  it -= chunk.n;
   if (!AttnCompressedItem(a, lk, t, s, p, it, LoadReadOnly(), CountOnDevice{a.errors, counts}, e))
     return false;
   *src = kFromPool;

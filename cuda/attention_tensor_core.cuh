@@ -270,10 +270,10 @@ __device__ __forceinline__ void DequantRowsToTile(const AttentionArgs& a, const 
   else DequantRowsToTileFmt<kBf16>(a, sm, tile, n);
 }
 
-// The producer warpgroup: decide items [c0, c1) of token t, 128 at a time,
-// and dequantize each tile of 64 seen items into one of the two bf16 tiles
-// (the consumers' products run on the other), handing it over once written;
-// then the end marker.
+// The producer warpgroup: decide the items of [c0, c1) of token t that can
+// be seen (AttnLiveItems), 128 at a time, and dequantize each tile of 64
+// seen items into one of the two bf16 tiles (the consumers' products run on
+// the other), handing it over once written; then the end marker.
 template <class Products>
 __device__ __forceinline__ void Produce(const AttentionArgs& a, LoopShared& sm, int64_t l,
                                         int64_t lk, int64_t t, int64_t s, int64_t p,
@@ -304,12 +304,13 @@ __device__ __forceinline__ void Produce(const AttentionArgs& a, LoopShared& sm, 
     }
     BarSync(kProducerSync, 128);
   };
-  for (int64_t base = c0; base < c1; base += kRound) {
+  // decides items base .. min(base + 128, hi) - 1, emitting each full tile
+  auto decide_round = [&](int64_t base, int64_t hi) {
     uint8_t src = 0;
     int64_t e = 0;
     const int64_t it = base + tid;
     const bool seen =
-        it < c1 && AttnDecideItem(a, l, lk, t, s, p, chunk, it, counts, true, &src, &e);
+        it < hi && AttnDecideItem(a, l, lk, t, s, p, chunk, it, counts, true, &src, &e);
     const unsigned ballot = __ballot_sync(kFull, seen);
     if (lane == 0) sm.warp_count[warp] = __popc(ballot);
     BarSync(kProducerSync, 128);
@@ -327,6 +328,13 @@ __device__ __forceinline__ void Produce(const AttentionArgs& a, LoopShared& sm, 
     BarSync(kProducerSync, 128);
     pending += total;
     while (pending >= kTileRows) emit(kTileRows);
+  };
+  int64_t live[3][2];
+  AttnLiveItems(a, c1, chunk, live);
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    const int64_t hi = min(c1, live[k][1]);
+    for (int64_t base = max(c0, live[k][0]); base < hi; base += kRound) decide_round(base, hi);
   }
   if (pending > 0) emit(pending);
   // the end marker in the next tile, then every release the consumers owe
@@ -512,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   const AttnChunkRows chunk = AttnScanChunk(a, t, s, &sm.chunk);
-  const int64_t items = AttnCandidates(a, p, chunk);
+  const int64_t items = AttnCandidates(a, p);
   const int64_t c0 = items * split / splits, c1 = items * (split + 1) / splits;
   Products::FenceShared();                       // q, written above, is read by the products
   __syncthreads();
