@@ -279,3 +279,18 @@ def test_flash_and_pro_layers_trace_with_their_shapes(model):
             assert (picks is None) == (kind != "csa")
             if picks is not None:
                 assert picks.shape == (meta.num_tokens, cache.index_topk)
+
+
+# ---- the demo --------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=requires_cpu_ffi)])
+def test_demo_hf_tiny_passes_and_says_why_it_cannot_run(impl, tmp_path):
+    from dsv4_jax.block.demo import run_demo
+    lines = []
+    assert run_demo(impl, out=lines.append) == 0
+    assert lines[-1].startswith("check against Hugging Face: PASS (worst difference 0.")
+    assert sum("attention core within" in line for line in lines) == 3
+    lines.clear()
+    assert run_demo(impl, stem=tmp_path / "nothing", out=lines.append) == 2
+    assert lines == [f"dsv4_jax demo --model hf-tiny: {tmp_path / 'nothing'}.npz not found: the "
+                     f"golden set lives in the checkout's tests/data "
+                     f"(tools/gen_hf_block_golden.py)"]
