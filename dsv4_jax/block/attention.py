@@ -36,10 +36,18 @@ import dsv4_jax as dj
 from .config import BlockConfig
 
 F32 = jnp.float32
+# float32 products as float32 (not TF32 or bf16 passes on a GPU): the block
+# is held to Hugging Face's float32 within bf16 rounding
+HIGHEST = jax.lax.Precision.HIGHEST
 HEAD_DIM, ROPE_DIM, INDEX_HEADS, INDEX_DIM = 512, 64, 64, 128
 
 
 # ---- pieces ---------------------------------------------------------------------------------
+def linear(x, weight):
+    """x @ weight.T, weight [out, in] as checkpoints store it."""
+    return jnp.matmul(x, weight.T, precision=HIGHEST)
+
+
 def rms_norm(x, weight=None, eps=1e-6):
     """x * rsqrt(mean(x^2) + eps) over the last axis, times `weight` if given."""
     y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
@@ -84,14 +92,14 @@ def query(w, x, pos, inv_freq, block: BlockConfig):
     """(qr f32[T, q_lora], q f32[T, H, 512]): the low-rank query, normed,
     then per head the unweighted RMSNorm and RoPE."""
     eps = block.rms_norm_eps
-    qr = rms_norm(x @ w["q_a_proj.weight"].T, w["q_a_norm.weight"], eps)
-    q = (qr @ w["q_b_proj.weight"].T).reshape(x.shape[0], block.num_heads, HEAD_DIM)
+    qr = rms_norm(linear(x, w["q_a_proj.weight"]), w["q_a_norm.weight"], eps)
+    q = linear(qr, w["q_b_proj.weight"]).reshape(x.shape[0], block.num_heads, HEAD_DIM)
     return qr, rope(rms_norm(q, None, eps), pos, inv_freq)
 
 
 def window_kv(w, x, pos, inv_freq, block: BlockConfig):
     """The window row of each token, bf16[T, 512]: normed, roped."""
-    kv = rms_norm(x @ w["kv_proj.weight"].T, w["kv_norm.weight"], block.rms_norm_eps)
+    kv = rms_norm(linear(x, w["kv_proj.weight"]), w["kv_norm.weight"], block.rms_norm_eps)
     return rope(kv, pos, inv_freq).astype(jnp.bfloat16)
 
 
@@ -109,11 +117,11 @@ def compressor_params(w, kind: str):
 def compressor_inputs(w, x, kind: str) -> dict:
     """flush's projections of the step's rows: kv, score (and on CSA layers
     index_kv, index_score), float32."""
-    out = dict(kv=x @ w["compressor.kv_proj.weight"].T,
-               score=x @ w["compressor.gate_proj.weight"].T)
+    out = dict(kv=linear(x, w["compressor.kv_proj.weight"]),
+               score=linear(x, w["compressor.gate_proj.weight"]))
     if kind == "csa":
-        out.update(index_kv=x @ w["compressor.indexer.kv_proj.weight"].T,
-                   index_score=x @ w["compressor.indexer.gate_proj.weight"].T)
+        out.update(index_kv=linear(x, w["compressor.indexer.kv_proj.weight"]),
+                   index_score=linear(x, w["compressor.indexer.gate_proj.weight"]))
     return out
 
 
@@ -123,9 +131,10 @@ def indexer_query(w, x, qr, pos):
     Hadamard matrix (the keys are stored rotated; q . k is unchanged), and
     the head weights with both of the score's scales folded in."""
     T = x.shape[0]
-    q = (qr @ w["compressor.indexer.q_b_proj.weight"].T).reshape(T, INDEX_HEADS, INDEX_DIM)
-    q = rope(q, pos, jnp.asarray(dj.yarn_inv_freq())) @ jnp.asarray(hadamard())
-    weights = (x @ w["compressor.indexer.scorer.weights_proj.weight"].T) \
+    q = linear(qr, w["compressor.indexer.q_b_proj.weight"]).reshape(T, INDEX_HEADS, INDEX_DIM)
+    q = jnp.matmul(rope(q, pos, jnp.asarray(dj.yarn_inv_freq())), jnp.asarray(hadamard()),
+                   precision=HIGHEST)
+    weights = linear(x, w["compressor.indexer.scorer.weights_proj.weight"]) \
         * (INDEX_HEADS ** -0.5 * INDEX_DIM ** -0.5)
     return q.astype(jnp.bfloat16), weights
 
@@ -137,8 +146,9 @@ def output_projection(w, out, block: BlockConfig):
     T, g = out.shape[0], block.o_groups
     grouped = out.reshape(T, g, -1)                                       # [T, g, H*512/g]
     wa = w["o_a_proj.weight"].reshape(g, block.o_lora_rank, -1)           # [g, r, H*512/g]
-    mid = jnp.einsum("tgc,grc->tgr", grouped, wa).reshape(T, g * block.o_lora_rank)
-    return mid @ w["o_b_proj.weight"].T
+    mid = jnp.einsum("tgc,grc->tgr", grouped, wa, precision=HIGHEST)
+    mid = mid.reshape(T, g * block.o_lora_rank)
+    return linear(mid, w["o_b_proj.weight"])
 
 
 # ---- one layer ------------------------------------------------------------------------------

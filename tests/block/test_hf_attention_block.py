@@ -255,6 +255,19 @@ def test_a_wrong_sink_breaks_the_bound(impl):
         assert core_ratio(r.core[layer][ch], g.data[f"core{layer}"], M) > 4, layer
 
 
+def test_steps_donate_the_state():
+    """Both jitted steps (prefill chunk, decode step) donate the cache: the
+    pools are written in place."""
+    g = golden("bf16")
+    state, manager = dj.init_state(g.cache), dj.CacheManager(g.cache)
+    rid = manager.admit()
+    weights = jax.tree_util.tree_map(jnp.asarray, g.weights)
+    for prefill, n in ((True, 130), (False, 1)):
+        meta = manager.prepare_step({rid: n})
+        x = jnp.zeros((g.cache.num_layers, meta.num_tokens, g.block.hidden_size))
+        dj.check_donated(B.jitted_step(g.block, prefill=prefill), state, meta, x, weights, None)
+
+
 # ---- V4-Flash and V4-Pro shapes -----------------------------------------------------------------
 @pytest.mark.parametrize("model", ["flash", "pro"])
 def test_flash_and_pro_layers_trace_with_their_shapes(model):
@@ -268,7 +281,8 @@ def test_flash_and_pro_layers_trace_with_their_shapes(model):
     meta = manager.prepare_step({rid: 5}, min_tokens=8)
     for kind in sorted(set(cache.layer_kinds)):        # V4-Pro has no sliding-only layer
         layer = cache.layer_kinds.index(kind)
-        shapes = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in B.layer_shapes(blk, kind).items()}
+        shapes = {n: jax.ShapeDtypeStruct(s, jnp.float32)
+                  for n, s in B.layer_shapes(blk, kind).items()}
         x = jax.ShapeDtypeStruct((meta.num_tokens, blk.hidden_size), jnp.float32)
         for prefill in (True, False):
             _, y, out, picks = jax.eval_shape(
