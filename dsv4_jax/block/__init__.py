@@ -19,9 +19,9 @@ from .attention import (attention_layer, compressor_inputs, compressor_params, h
                         indexer_query, inv_freq_of, jitted_step, output_projection, query, rope,
                         stack_step, window_kv)
 from .config import BlockConfig
-from .weights import HF_PREFIX, from_tensors, layer_shapes, load_safetensors, random_weights
+from .weights import HF_PREFIX, from_tensors, layer_shapes, load_safetensors
 
 __all__ = ["BlockConfig", "attention_layer", "stack_step", "jitted_step", "query", "window_kv",
            "compressor_inputs", "compressor_params", "indexer_query", "output_projection",
            "rope", "hadamard", "inv_freq_of", "HF_PREFIX", "layer_shapes", "from_tensors",
-           "load_safetensors", "random_weights"]
+           "load_safetensors"]

@@ -44,11 +44,12 @@ def run_demo(impl: str = "auto", stem=G.DEFAULT_STEM, out=print) -> int:
     out(f"block run: {time.perf_counter() - t0:.2f} s (compilation included)")
     worst, ok = 0.0, True
     checked = g.data["checked"]
+    y_ratios = G.worst_ratio(g, r)
     for layer, kind in enumerate(g.cache.layer_kinds):
         M = G.seen_max(g, layer)
         core_err = np.abs(r.core[layer][checked] - g.data[f"core{layer}"]).max(axis=(1, 2))
         core_ratio = float((core_err / (G.BOUND * M[checked])).max())
-        y_ratio = G.worst_ratio(g, r)[layer]
+        y_ratio = y_ratios[layer]
         y_err = float(np.abs(r.y[layer] - g.data[f"y{layer}"]).max())
         out(f"layer {layer} ({KIND_NAMES[kind]}): attention core within "
             f"{core_ratio * G.BOUND:.2e} M of HF's ({core_ratio:.2f} of the 2^-6 M bound, "

@@ -153,11 +153,9 @@ def projection_abs(g: Golden, layer: int) -> np.ndarray:
     """|A| summed over each head's channels, f64[hidden, H]: A = o_b_proj
     after the grouped o_a_proj, as one [hidden, H * 512] matrix."""
     w, b = g.weights[layer], g.block
-    per = b.num_heads // b.o_groups
     wa = w["o_a_proj.weight"].astype(np.float64).reshape(b.o_groups, b.o_lora_rank, -1)
     wb = w["o_b_proj.weight"].astype(np.float64).reshape(b.hidden_size, b.o_groups, b.o_lora_rank)
     A = np.einsum("igr,grc->igc", wb, wa).reshape(b.hidden_size, b.num_heads, 512)
-    assert A.shape[1] == per * b.o_groups
     return np.abs(A).sum(axis=-1)
 
 

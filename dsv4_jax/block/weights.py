@@ -123,21 +123,3 @@ def load_safetensors(paths, cache: dj.CacheConfig, block: BlockConfig,
                     tensors[key] = f.get_tensor(key)
     return from_tensors(tensors, cache, block, prefix)
 
-
-def random_weights(cache: dj.CacheConfig, block: BlockConfig, seed: int = 0) -> list:
-    """Random parameters of every layer (float32 numpy): projections scaled
-    for unit-variance outputs, norm weights in [0.5, 1.5], position biases
-    and sinks of unit scale. For shape checks and examples."""
-    rng = np.random.default_rng(seed)
-    layers = []
-    for kind in cache.layer_kinds:
-        w = {}
-        for name, shape in layer_shapes(block, kind).items():
-            if name.endswith("norm.weight"):
-                w[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
-            elif name.endswith("proj.weight"):
-                w[name] = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
-            else:
-                w[name] = rng.standard_normal(shape).astype(np.float32)
-        layers.append(w)
-    return layers

@@ -56,6 +56,8 @@ _RUNS = {}
 
 
 def golden(fmt):
+    pytest.importorskip("safetensors", reason="the golden weights load with safetensors "
+                        "(the test extra)")
     key = ("golden", fmt)
     if key not in _RUNS:
         _RUNS[key] = G.load(STEM, kv_format=fmt)
@@ -139,7 +141,7 @@ def test_loader_reads_hf_names_and_names_what_is_wrong(tmp_path):
     wrong = dict(tensors, **{"model.layers.0.self_attn.sinks": np.zeros(5, np.float32)})
     with pytest.raises(ValueError, match=r"sinks: expected shape \[4\], got \[5\]"):
         B.from_tensors(wrong, g.cache, g.block)
-    # a checkpoint shard in bf16-free float16, other modules' tensors beside
+    # a float16 checkpoint shard, another module's tensor beside the block's
     path = tmp_path / "shard.safetensors"
     safetensors.save_file({**{k: v.astype(np.float16) for k, v in tensors.items()},
                            "model.layers.0.mlp.gate.weight": np.ones((2, 32), np.float32)},
@@ -297,13 +299,15 @@ def test_flash_and_pro_layers_trace_with_their_shapes(model):
 
 # ---- the demo --------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", [pytest.param("cpu", marks=requires_cpu_ffi)])
-def test_demo_hf_tiny_passes_and_says_why_it_cannot_run(impl, tmp_path):
+def test_demo_hf_tiny_passes_and_says_why_it_cannot_run(impl, tmp_path, capsys):
+    pytest.importorskip("safetensors", reason="the golden weights load with safetensors")
     from dsv4_jax.block.demo import run_demo
-    lines = []
-    assert run_demo(impl, out=lines.append) == 0
+    from dsv4_jax.cli import main
+    assert main(["demo", "--model", "hf-tiny", "--impl", impl]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("check against Hugging Face: PASS (worst difference 0.")
     assert sum("attention core within" in line for line in lines) == 3
-    lines.clear()
+    lines = []
     assert run_demo(impl, stem=tmp_path / "nothing", out=lines.append) == 2
     assert lines == [f"dsv4_jax demo --model hf-tiny: {tmp_path / 'nothing'}.npz not found: the "
                      f"golden set lives in the checkout's tests/data "

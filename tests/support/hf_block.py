@@ -36,15 +36,14 @@ def visible_entries(kind, t, picks_row):
     return np.zeros(0, np.int64)
 
 
-def core(q, kv, entries, kind, positions, picks, sinks, inv_freq, *, shift_window=0):
+def core(q, kv, entries, kind, positions, picks, sinks, inv_freq):
     """(out f64[C, H, 512], M f64[C]: the largest |v| seen) for the checked positions:
     q f64[C, H, 512] (already roped), kv f64[S, 512] window rows, entries
-    f64[E, 512], picks i32[S, k] (CSA). `shift_window` moves the window's
-    lower end (a mutation: +1 sees 129 rows)."""
+    f64[E, 512], picks i32[S, k] (CSA)."""
     C, H = q.shape[:2]
     out, M = np.zeros((C, H, 512)), np.zeros(C)
     for j, t in enumerate(positions):
-        lo = max(0, t - WINDOW + 1 - shift_window)
+        lo = max(0, t - WINDOW + 1)
         rows = [kv[lo:t + 1]]
         e = visible_entries(kind, t, picks[t] if picks is not None else None)
         if len(e):
