@@ -55,9 +55,9 @@ class Golden:
         return bits.view(np.float32).astype(np.float64)
 
 
-def load(stem=DEFAULT_STEM, kv_format: str = "bf16") -> Golden:
-    """The golden set at `stem` (.npz and .safetensors), with a one-request
-    cache config of `kv_format` that holds it."""
+def load(stem=DEFAULT_STEM, kv_format: str = "bf16", max_requests: int = 2) -> Golden:
+    """The golden set at `stem` (.npz and .safetensors), with a cache config
+    of `kv_format` that holds `max_requests` copies of its request."""
     stem = pathlib.Path(stem)
     for ext in (".npz", ".safetensors"):
         if not stem.with_suffix(ext).exists():
@@ -68,7 +68,8 @@ def load(stem=DEFAULT_STEM, kv_format: str = "bf16") -> Golden:
     hf = json.loads(str(data["config_json"]))
     S = int(data["chunks"].sum())
     ratios = tuple(_RATIO[t] for t in hf["layer_types"])
-    cache = dj.CacheConfig(ratios, max_requests=1, num_blocks=-(-S // 128),
+    cache = dj.CacheConfig(ratios, max_requests=max_requests,
+                           num_blocks=max_requests * -(-S // 128),
                            max_blocks_per_request=-(-S // 128), kv_format=kv_format,
                            index_topk=int(hf["index_topk"]), model="hf-tiny")
     block = BlockConfig.from_hf(hf)
@@ -85,46 +86,69 @@ class Run:
     slot: int           # the request's slot in it
 
 
-def run(g: Golden, *, impl: str = "auto", hf_picks: bool = True, weights=None) -> Run:
-    """Every chunk of the golden run through the block (jitted, the state
-    donated): HF's picks attended on CSA layers, or the library's indexer's
-    with hf_picks=False. `weights` replaces the golden weights (a test's
-    mutation)."""
+def run(g: Golden, *, impl: str = "auto", hf_picks: bool = True, weights=None,
+        schedules=None) -> Run:
+    """The golden request through the block in HF's chunks; `run_requests`
+    for the arguments. Returns the first request's `Run`."""
+    return run_requests(g, schedules or [g.data["chunks"]], impl=impl, hf_picks=hf_picks,
+                        weights=weights)[0]
+
+
+def run_requests(g: Golden, schedules, *, impl: str = "auto", hf_picks: bool = True,
+                 weights=None) -> list:
+    """The golden request as len(schedules) requests of one cache, each fed
+    in its own chunks (schedules[r]: tokens per step, summing to the
+    golden's 200; a step runs the prefill path when any request takes more
+    than one token, the decode path otherwise), jitted with the state
+    donated: one `Run` per request. HF's picks are attended on CSA layers,
+    or the library's indexer's with hf_picks=False; `weights` replaces the
+    golden weights (a test's mutation)."""
     cfg, L = g.cache, g.cache.num_layers
     weights = jax.tree_util.tree_map(jnp.asarray, weights or g.weights)
     S, k, H = g.tokens, cfg.index_topk, g.block.num_heads
+    schedules = [[int(n) for n in sched] for sched in schedules]
+    if any(sum(sched) != S for sched in schedules):
+        raise ValueError(f"schedules: each must feed the golden's {S} tokens, got "
+                         f"{[sum(sched) for sched in schedules]}")
     state, manager = dj.init_state(cfg), dj.CacheManager(cfg)
-    rid = manager.admit()
+    rids = [manager.admit() for _ in schedules]
     prefill = jitted_step(g.block, prefill=True, impl=impl)
     decode = jitted_step(g.block, prefill=False, impl=impl)
     csa = [i for i, kind in enumerate(cfg.layer_kinds) if kind == "csa"]
     xs = np.stack([g.data[f"x{i}"] for i in range(L)])
-    y = np.zeros((L, S, g.block.hidden_size), np.float32)
-    core = np.zeros((L, S, H, 512), np.float32)
-    used = {i: np.full((S, k), -1, np.int32) for i in csa}
-    start = 0
-    for n in (int(c) for c in g.data["chunks"]):
-        meta = manager.prepare_step({rid: n}, min_tokens=1 if n == 1 else 256)
+    y = np.zeros((len(rids), L, S, g.block.hidden_size), np.float32)
+    core = np.zeros((len(rids), L, S, H, 512), np.float32)
+    used = [{i: np.full((S, k), -1, np.int32) for i in csa} for _ in rids]
+    done = [0] * len(rids)
+    for step_no in range(max(len(sched) for sched in schedules)):
+        take = {rid: (sched[step_no] if step_no < len(sched) else 0)
+                for rid, sched in zip(rids, schedules)}
+        many = max(take.values()) > 1
+        meta = manager.prepare_step(take, min_tokens=256 if many else len(rids))
         T = meta.num_tokens
-        rows = manager.token_rows(rid)
         x = np.zeros((L, T, xs.shape[-1]), np.float32)
-        x[:, rows] = xs[:, start:start + n]
-        given = None
-        if hf_picks:
-            given = {}
+        given = {i: np.full((T, k), -1, np.int32) for i in csa} if hf_picks else None
+        spans = []
+        for r, rid in enumerate(rids):
+            rows, n, start = manager.token_rows(rid), take[rid], done[r]
+            spans.append((rows, slice(start, start + n)))
+            x[:, rows] = xs[:, start:start + n]
+            for i in csa if hf_picks else ():
+                given[i][rows] = g.data[f"picks{i}"][start:start + n]
+            done[r] += n
+        if given is not None:
+            given = {i: jnp.asarray(p) for i, p in given.items()}
+        state, ys, outs, picks = (prefill if many else decode)(state, meta, jnp.asarray(x),
+                                                               weights, given)
+        ys, outs = np.asarray(ys), np.asarray(outs)
+        for r, (rows, positions) in enumerate(spans):
+            y[r][:, positions] = ys[:, rows]
+            core[r][:, positions] = outs[:, rows]
             for i in csa:
-                p = np.full((T, k), -1, np.int32)
-                p[rows] = g.data[f"picks{i}"][start:start + n]
-                given[i] = jnp.asarray(p)
-        step = decode if n == 1 else prefill
-        state, ys, outs, picks = step(state, meta, jnp.asarray(x), weights, given)
-        y[:, start:start + n] = np.asarray(ys)[:, rows]
-        core[:, start:start + n] = np.asarray(outs)[:, rows]
-        for i in csa:
-            used[i][start:start + n] = np.asarray(picks[i])[rows]
-        start += n
+                used[r][i][positions] = np.asarray(picks[i])[rows]
     dj.check_errors(state)
-    return Run(y, core, used, state, manager.slot_of(rid))
+    return [Run(y[r], core[r], used[r], state, manager.slot_of(rid))
+            for r, rid in enumerate(rids)]
 
 
 def seen_max(g: Golden, layer: int, picks=None) -> np.ndarray:

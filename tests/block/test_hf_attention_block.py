@@ -1,8 +1,9 @@
 """The attention block (dsv4_jax.block) against Hugging Face's DeepseekV4
 attention (transformers 5.23.0, tests/data/hf_dsv4_block.*, written by
 tools/gen_hf_block_golden.py): 3 layers (sliding, CSA, HCA), one request of
-200 tokens in HF's chunks (130, 1, 1, 1, 40, then 27 decode steps), the
-weights loaded from HF-named safetensors.
+200 tokens in HF's chunks (130, 1, 1, 1, 40, then 27 decode steps), run here
+beside a second request fed in other chunks, the weights loaded from
+HF-named safetensors.
 
 The oracle (support.hf_block) recomputes HF's attention core in float64
 from the query and rows HF attended (stored at bf16), so each bound below is
@@ -64,11 +65,20 @@ def golden(fmt):
     return _RUNS[key]
 
 
+# a second request beside HF's, fed in other chunks: 100 (its window not yet
+# full), 30 (wrapping the ring and closing HCA entry 0 mid-chunk), decode
+# steps and 40; steps where either request takes a chunk run the prefill path
+OTHER_CHUNKS = [100, 30, 1, 1, 1, 40] + [1] * 27
+
+
 def run(impl, fmt, hf_picks=True):
-    """One run of the golden schedule, shared by the tests of this file."""
+    """The golden request in HF's chunks and a second one in OTHER_CHUNKS,
+    in one cache: their `Run`s, shared by the tests of this file."""
     key = (impl, fmt, hf_picks)
     if key not in _RUNS:
-        _RUNS[key] = G.run(golden(fmt), impl=impl, hf_picks=hf_picks)
+        g = golden(fmt)
+        _RUNS[key] = G.run_requests(g, [g.data["chunks"], OTHER_CHUNKS], impl=impl,
+                                    hf_picks=hf_picks)
     return _RUNS[key]
 
 
@@ -155,9 +165,9 @@ def test_loader_reads_hf_names_and_names_what_is_wrong(tmp_path):
 # ---- the block against HF ------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bf16_pools_with_hf_picks_match_hf(impl):
-    g, r = golden("bf16"), run(impl, "bf16")
+    g = golden("bf16")
     ch = g.data["checked"]
-    for layer in range(g.cache.num_layers):
+    for r, layer in ((r, layer) for r in run(impl, "bf16") for layer in range(g.cache.num_layers)):
         M = G.seen_max(g, layer)
         core_hf = g.data[f"core{layer}"].astype(np.float64)
         ratio = core_ratio(r.core[layer][ch], core_hf, M[ch])
@@ -183,10 +193,11 @@ def projection(g, layer):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_ds_fp8_pools_match_hf_on_fp8_rows(impl):
-    g, r = golden("ds_fp8"), run(impl, "ds_fp8")
+    g = golden("ds_fp8")
     ch, cfg = g.data["checked"], g.cache
-    table = np.asarray(r.state.block_table)[r.slot]
-    for layer, kind in enumerate(cfg.layer_kinds):
+    for r, (layer, kind) in ((r, lk) for r in run(impl, "ds_fp8")
+                             for lk in enumerate(cfg.layer_kinds)):
+        table = np.asarray(r.state.block_table)[r.slot]
         kv = O.stored_rows(g.bf16(f"kv{layer}"), "ds_fp8")
         entries = None
         if kind != "swa":
@@ -216,31 +227,26 @@ def test_ds_fp8_pools_match_hf_on_fp8_rows(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_library_indexer_picks_overlap_hf_and_bound_the_output(impl):
-    g, r = golden("bf16"), run(impl, "bf16", hf_picks=False)
-    ch = g.data["checked"]
-    layer = 1
-    mine, hf = r.picks[layer], g.data["picks1"]
-    recall = np.array([len(set(mine[t][mine[t] >= 0]) & set(hf[t][hf[t] >= 0]))
-                       / (hf[t] >= 0).sum() for t in range(3, g.tokens)])
-    print(f"\n[{impl}] recall of HF's picks: mean {recall.mean():.3f}, min {recall.min():.3f}")
-    assert recall.mean() >= 0.9 and recall.min() >= 0.5
-    np.testing.assert_array_equal(mine >= 0, hf >= 0)      # as many picks as HF, where HF has
+    g = golden("bf16")
+    ch, layer, hf = g.data["checked"], 1, g.data["picks1"]
     q, kv = g.bf16(f"q{layer}"), g.bf16(f"kv{layer}")
     entries = g.data[f"entries{layer}"].astype(np.float64)
     sinks = g.weights[layer]["sinks"].astype(np.float64)
-    d = O.pick_mass(q, kv, entries, ch, mine, hf, sinks)
     core_hf = g.data[f"core{layer}"].astype(np.float64)
-    _, M = hf_core(g, layer)
-    _, M_mine = hf_core(g, layer, picks=mine)
-    M = np.maximum(M, M_mine)
-    err = np.abs(r.core[layer][ch] - core_hf).max(axis=-1)
-    assert (err <= (BOUND + 2 * d) * M[:, None]).all()
-    # given its own picks, HF's computation is the library's within 2^-6 M
-    want, M_mine = hf_core(g, layer, picks=mine)
-    assert core_ratio(r.core[layer][ch], want, M_mine) <= 1
-    # the layers without an indexer are untouched by it
-    for other in (0, 2):
-        np.testing.assert_array_equal(r.core[other], run(impl, "bf16").core[other])
+    for r in run(impl, "bf16", hf_picks=False):
+        mine = r.picks[layer]
+        recall = np.array([len(set(mine[t][mine[t] >= 0]) & set(hf[t][hf[t] >= 0]))
+                           / (hf[t] >= 0).sum() for t in range(3, g.tokens)])
+        print(f"\n[{impl}] recall of HF's picks: mean {recall.mean():.3f}, min {recall.min():.3f}")
+        assert recall.mean() >= 0.9 and recall.min() >= 0.5
+        np.testing.assert_array_equal(mine >= 0, hf >= 0)    # as many picks as HF, where HF has
+        d = O.pick_mass(q, kv, entries, ch, mine, hf, sinks)
+        _, M = hf_core(g, layer)
+        want, M_mine = hf_core(g, layer, picks=mine)
+        err = np.abs(r.core[layer][ch] - core_hf).max(axis=-1)
+        assert (err <= (BOUND + 2 * d) * np.maximum(M, M_mine)[:, None]).all()
+        # given its own picks, HF's computation is the library's within 2^-6 M
+        assert core_ratio(r.core[layer][ch], want, M_mine) <= 1
 
 
 @pytest.mark.parametrize("impl", [pytest.param("cpu", marks=requires_cpu_ffi)])
@@ -250,7 +256,7 @@ def test_a_wrong_sink_breaks_the_bound(impl):
     beyond 2^-6 M, while the right sinks pass (test_bf16_pools_...)."""
     g = golden("bf16")
     wrong = [dict(w, sinks=w["sinks"] - 1) for w in g.weights]
-    r = G.run(g, impl=impl, weights=wrong)
+    r = G.run_requests(g, [g.data["chunks"], OTHER_CHUNKS], impl=impl, weights=wrong)[0]
     ch = g.data["checked"]
     for layer in range(g.cache.num_layers):
         M = G.seen_max(g, layer)[ch]
