@@ -155,8 +155,13 @@ def output_projection(w, out, block: BlockConfig):
 def attention_layer(state, layer: int, meta, x, w, block: BlockConfig, *, prefill: bool,
                     picks=None, impl: str = "auto"):
     """One attention layer on the cache: (state, y f32[T, hidden],
-    out bf16[T, H, 512], picks i32[T, k] or None).
+    out bf16[T, H, 512], picks i32[T, k] or None). Call it inside the
+    model's jitted step, after `apply_step`, threading the state.
 
+    layer     global layer index (a Python int: its kind picks the path)
+    meta      the step's StepMeta (token rows in its order)
+    x         f32[T, hidden], the layer's input rows (after its RMSNorm)
+    w         the layer's weights: weights.py's dict (HF names), as arrays
     prefill   True for a prompt chunk (flush, attend with the chunk's own
               rows, append), False for a decode step (write_layer, attend)
     picks     CSA layers: the top-k entries to attend (i32[T, k], -1 = none)

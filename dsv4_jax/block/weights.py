@@ -78,8 +78,9 @@ def from_tensors(tensors, cache: dj.CacheConfig, block: BlockConfig,
     """The block's parameters, a list of one dict a layer (HF names under
     `self_attn.` -> float32 numpy arrays), from a mapping of full tensor
     names to arrays. `prefix` is formatted with `layer=i`. Raises KeyError
-    naming every missing tensor, ValueError naming a tensor of the wrong
-    shape; tensors of other modules (MLP, norms) are ignored."""
+    with the count of missing tensors and the first three, ValueError
+    naming a tensor of the wrong shape or dtype; tensors of other modules
+    (MLP, norms) are ignored."""
     layers, missing = [], []
     for i, kind in enumerate(cache.layer_kinds):
         head = prefix.format(layer=i)
