@@ -26,7 +26,7 @@ import dsv4_jax as dj
 
 from .attention import jitted_step
 from .config import BlockConfig
-from .weights import load_safetensors
+from .weights import from_tensors, load_safetensors
 
 BOUND = 2.0 ** -6
 WINDOW = 128
@@ -55,9 +55,11 @@ class Golden:
         return bits.view(np.float32).astype(np.float64)
 
 
-def load(stem=DEFAULT_STEM, kv_format: str = "bf16", max_requests: int = 2) -> Golden:
+def load(stem=DEFAULT_STEM, kv_format: str = "bf16", max_requests: int = 2,
+         tensors=None) -> Golden:
     """The golden set at `stem` (.npz and .safetensors), with a cache config
-    of `kv_format` that holds `max_requests` copies of its request."""
+    of `kv_format` that holds `max_requests` copies of its request.
+    `tensors` (the .safetensors file's, already read) skips reading it."""
     stem = pathlib.Path(stem)
     for ext in (".npz", ".safetensors"):
         if not stem.with_suffix(ext).exists():
@@ -73,7 +75,8 @@ def load(stem=DEFAULT_STEM, kv_format: str = "bf16", max_requests: int = 2) -> G
                            max_blocks_per_request=-(-S // 128), kv_format=kv_format,
                            index_topk=int(hf["index_topk"]), model="hf-tiny")
     block = BlockConfig.from_hf(hf)
-    weights = load_safetensors(stem.with_suffix(".safetensors"), cache, block)
+    weights = (load_safetensors(stem.with_suffix(".safetensors"), cache, block)
+               if tensors is None else from_tensors(tensors, cache, block))
     return Golden(cache, block, weights, data)
 
 

@@ -7,6 +7,7 @@ docs/design.md §6 (not from dsv4_jax). The rows can be replaced by what a
 pool of a kv_format stores (support.oracle's encoders, ml_dtypes casts)."""
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -81,4 +82,22 @@ def pick_mass(q, kv, entries, positions, picks_a, picks_b, sinks):
         w /= w.sum(axis=1, keepdims=True)
         n_win = V.shape[0] - len(union)
         out[j] = w[:, n_win:n_win + len(union)][:, diff].sum(axis=1) if union else 0.0
+    return out
+
+
+def read_safetensors(path) -> dict:
+    """The float32 tensors of a .safetensors file, read from its layout
+    (8-byte little-endian header size, a JSON header of dtype, shape and
+    byte offsets, then the data): the golden weights on a machine without
+    the safetensors package (the GPU runs), whose loader has its own test."""
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        assert info["dtype"] == "F32", (name, info["dtype"])
+        start, stop = info["data_offsets"]
+        out[name] = np.frombuffer(data[start:stop], "<f4").reshape(info["shape"])
     return out
