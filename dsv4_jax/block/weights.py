@@ -26,10 +26,15 @@ names Hugging Face's DeepseekV4 checkpoints use under
 (coff = 2, m = 4 on CSA layers; coff = 1, m = 128 on HCA layers; g = o_groups.)
 DeepSeek's own checkpoint names the same tensors after its inference code
 (`layers.{i}.attn.wq_a`, ..., `attn_sink`); `CompressorParams`' docstring
-maps its compressor names. Every tensor is kept as float32.
+maps its compressor names. Every tensor is kept as float32; float32, float16
+and bfloat16 files read as they are. FP8 block-quantized weights (an e4m3
+`weight` with its `weight_scale_inv`, as DeepSeek's released checkpoints
+store most projections) are not read: numpy has no FP8 type for safetensors
+to hand back, so dequantize them to bf16 first.
 """
 from __future__ import annotations
 
+import ml_dtypes   # bfloat16 for numpy: safetensors' numpy API then reads BF16 tensors
 import numpy as np
 
 import dsv4_jax as dj
@@ -91,7 +96,7 @@ def from_tensors(tensors, cache: dj.CacheConfig, block: BlockConfig,
                 missing.append(full)
                 continue
             a = np.asarray(tensors[full])
-            if a.dtype.kind != "f":
+            if a.dtype.kind != "f" and a.dtype != ml_dtypes.bfloat16:
                 raise ValueError(f"{full}: expected a float tensor, got {a.dtype}")
             if a.shape != shape:
                 raise ValueError(f"{full}: expected shape {list(shape)}, got {list(a.shape)}")
@@ -120,7 +125,13 @@ def load_safetensors(paths, cache: dj.CacheConfig, block: BlockConfig,
     for path in paths:
         with safe_open(path, framework="numpy") as f:
             for key in f.keys():
-                if key in wanted:
+                if key not in wanted:
+                    continue
+                try:
                     tensors[key] = f.get_tensor(key)
+                except (TypeError, AttributeError) as e:   # a dtype numpy lacks (FP8)
+                    raise ValueError(f"{key} in {path}: safetensors' numpy API cannot read its "
+                                     f"dtype ({e}); FP8 weights need dequantizing to bf16 "
+                                     f"first") from None
     return from_tensors(tensors, cache, block, prefix)
 

@@ -38,6 +38,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -163,6 +164,14 @@ def test_loader_reads_hf_names_and_names_what_is_wrong(tmp_path):
                            "model.layers.0.mlp.gate.weight": np.ones((2, 32), np.float32)},
                           str(path))
     half = B.load_safetensors(path, g.cache, g.block)
+    # bf16 shards read through ml_dtypes' numpy type
+    path16 = tmp_path / "shard-bf16.safetensors"
+    safetensors.save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()},
+                          str(path16))
+    brain = B.load_safetensors(path16, g.cache, g.block)
+    np.testing.assert_array_equal(brain[1]["compressor.indexer.q_b_proj.weight"],
+                                  tensors["model.layers.1.self_attn.compressor.indexer.q_b_proj"
+                                          ".weight"].astype(ml_dtypes.bfloat16).astype(np.float32))
     # the tests' own reader (for machines without the package) reads what it reads
     ours = O.read_safetensors(STEM.with_suffix(".safetensors"))
     theirs = safetensors.load_file(str(STEM.with_suffix(".safetensors")))
