@@ -148,6 +148,9 @@ def _demo_work(args, preset) -> None:
 def cmd_demo(args, parser) -> int:
     """Chunked prefill and a jitted decode loop over several requests, checked
     against the jnp reference."""
+    if args.model == "hf-tiny":     # the attention block against Hugging Face's outputs
+        from .block.demo import run_demo
+        return run_demo(args.impl)
     filled = _demo_defaults(args)
     if args.context < 2 * C.CSA_RATIO:
         parser.error(f"--context: expected at least {2 * C.CSA_RATIO} tokens, got {args.context}")
@@ -382,8 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", parents=[common], help="run a checked decode loop (default)",
                        description=cmd_demo.__doc__)
-    p.add_argument("--model", choices=sorted(PRESETS),
-                   help="layer pattern (default: tiny on the CPU, flash on a GPU)")
+    p.add_argument("--model", choices=sorted(PRESETS) + ["hf-tiny"],
+                   help="layer pattern (default: tiny on the CPU, flash on a GPU); hf-tiny: "
+                        "the attention block (dsv4_jax.block) against Hugging Face's outputs")
     p.add_argument("--requests", type=positive_int, help="requests (default 4)")
     p.add_argument("--context", type=positive_int,
                    help="maximum context per request (default 512 on the CPU, 4096 on a GPU)")
