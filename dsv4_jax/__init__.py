@@ -132,7 +132,7 @@ from .requests.moves import (OffloadedRequest, admit_on_prefix, export_request,
 from .requests.transfer import (read_blocks, read_request, request_ids, restore, snapshot,
                                 write_blocks, write_request)
 from .requests.types import RequestBlocks, RequestIds, RequestSnapshot
-from .speculative import VerifyStep, verify_begin, verify_commit, verify_layer
+from .speculative import VerifyStep, accepted_counts, verify_begin, verify_commit, verify_layer
 from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
 
 __all__ = [
@@ -146,6 +146,6 @@ __all__ = [
     "read_blocks", "write_blocks", "read_request", "write_request",
     "OffloadedRequest", "share_prefix", "admit_on_prefix", "offload", "preempt", "resume",
     "export_request", "import_request",
-    "VerifyStep", "verify_begin", "verify_layer", "verify_commit",
+    "VerifyStep", "verify_begin", "verify_layer", "verify_commit", "accepted_counts",
 ]
 __version__ = "0.1.0"

@@ -69,8 +69,8 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     to fp8 for ds_fp8 and fp8_token). Dropped and counted: BAD_SLOT,
     BAD_POSITION (pos < 0 or >= max_context), NONFINITE (NaN or Inf in the
     row), BAD_LAYER."""
-    warn_if_eager(state, "append")
     check_append_args(state, meta, kv)
+    warn_if_eager(state, "append")      # after the checks: a bad call raises, no warning
     cfg = state.config
     if cfg.sharded:
         return per_shard(append, state, "state", layer=layer, rows=dict(meta=meta, kv=kv),

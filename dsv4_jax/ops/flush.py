@@ -170,9 +170,9 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
     contribution. Dropped and counted (the token is not folded): BAD_SLOT,
     BAD_POSITION, MISSING_BLOCK, NONFINITE (NaN or Inf in the token's rows),
     BAD_LAYER."""
-    warn_if_eager(state, "flush")
     kind, kv, score, index_kv, index_score = check_flush_args(
         state, layer, meta, kv, score, params, index_kv, index_score)
+    warn_if_eager(state, "flush")       # after the checks: a bad call raises, no warning
     cfg = state.config
     if cfg.sharded:   # rows of every per-token operand split by shard, params whole
         return per_shard(flush, state, "state", layer=layer,

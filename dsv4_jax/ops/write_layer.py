@@ -42,6 +42,7 @@ import jax
 
 from .. import config as C
 from .. import reference
+from ..donation import warn_if_eager
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..state import CacheState
@@ -98,6 +99,7 @@ def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
         return append(state, layer, meta, kv, impl=impl)
     kind, comp_kv, comp_score, index_kv, index_score = check_flush_args(
         state, layer, meta, comp_kv, comp_score, params, index_kv, index_score, prefix="comp_")
+    warn_if_eager(state, "write_layer")  # after the checks: a bad call raises, no warning
     if cfg.sharded:   # every per-token operand split by shard, params whole
         return per_shard(write_layer, state, "state", layer=layer,
                          rows=dict(meta=meta, kv=kv, comp_kv=comp_kv, comp_score=comp_score,
