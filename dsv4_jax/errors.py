@@ -19,20 +19,22 @@ class ErrorKind(enum.IntEnum):
     """Index of each counter in `state.errors`. The C++ and CUDA code use the
     same numbers (enum ErrorKind in ffi/include/dsv4/layout.h)."""
     BAD_SLOT = 0          # slot outside [0, R) (-1 padding is not an error)
-    BAD_POSITION = 1      # negative position, or beyond the request's block table
+    BAD_POSITION = 1      # position < 0 or >= max_context (flush: also out of its run)
     MISSING_BLOCK = 2     # block table entry -1 or >= N where a write/read needs it
     BAD_INDEX = 3         # top-k index < -1, or of an entry not emitted yet
     BAD_LENGTH = 4        # a length beyond the request's capacity, or a bad accepted count
     NONFINITE = 5         # NaN or Inf in an input
     BAD_LAYER = 6         # traced layer index out of range or of the wrong kind
     BAD_BLOCK_ASSIGNMENT = 7  # new-block row with logical or physical id out of range
+    STALE_WINDOW = 8      # a window row attention needs holds another position
 
 
 NUM_ERROR_KINDS = len(ErrorKind)
 
 _DESCRIPTIONS = {
     ErrorKind.BAD_SLOT: "request slot outside [0, max_requests)",
-    ErrorKind.BAD_POSITION: "negative position or position beyond the request's block table",
+    ErrorKind.BAD_POSITION: ("token rows at a position < 0 or >= max_context (flush: also a "
+                             "row out of its request's run of consecutive positions)"),
     ErrorKind.MISSING_BLOCK: "block table entry missing (-1) or >= num_blocks where needed",
     ErrorKind.BAD_INDEX: "top-k index < -1 or of an entry not emitted yet",
     ErrorKind.BAD_LENGTH: ("length beyond the request's capacity, or a speculative step's "
@@ -40,6 +42,9 @@ _DESCRIPTIONS = {
     ErrorKind.NONFINITE: "NaN or Inf in an input",
     ErrorKind.BAD_LAYER: "traced layer index out of range or of the wrong kind",
     ErrorKind.BAD_BLOCK_ASSIGNMENT: "new block with logical or physical id out of range",
+    ErrorKind.STALE_WINDOW: ("window rows attention needed that hold another position (a "
+                             "chunk appended before its own reads, a gap or a rewind of the "
+                             "request's positions): each such row of each query is not read"),
 }
 
 

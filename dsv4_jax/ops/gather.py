@@ -13,7 +13,7 @@ the entry leaves nope, rope[, scale] come last, scale absent for bf16):
 "dsv4_gather_window"
   attrs  kv_format
   args   layer i32[] (global, -1 = bad), slots i32[B], swa.pos i32[L, R, 128],
-         errors i32[8], swa.kv entries
+         errors i32[9], swa.kv entries
   rets   kv bf16[B, 128, 512], pos i32[B, 128], errors
   Ring-slot order; slot -1 -> zero rows and pos -1 (no error); slot outside
   [0, R) -> BAD_SLOT, same output; ring slots with pos -1 -> zero rows.
@@ -84,7 +84,9 @@ def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "au
 
     Decode: append, then gather; a query at position t sees ring slots with
     t - 128 < pos <= t. Chunked prefill: gather the prior window, append,
-    attend over window + chunk."""
+    attend over window + chunk. With no query position it cannot tell a
+    stale row (one holding another position than a query needs, which
+    `attention` counts as STALE_WINDOW): `pos` says what each row holds."""
     check_state(state)
     cfg = state.config
     check_array("slots", slots, (None,), _I32)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import _ffi
+from dsv4_jax.errors import NUM_ERROR_KINDS
 from dsv4_jax.ops._dispatch import ffi_call, ffi_in_place
 from dsv4_jax.state import E8M0, FP8
 from support.marks import available_host_gb
@@ -26,7 +27,7 @@ def flush_then_gather(num_blocks):
     block_table = jnp.array([[num_blocks - 1, -1]], jnp.int32)
     slots, pos = jnp.zeros(128, jnp.int32), jnp.arange(128, dtype=jnp.int32)
     comp = jnp.broadcast_to(jnp.array([-jnp.inf, 0, 0], jnp.float32)[:, None], (1, 1, 1, 3, 512))
-    errors = jnp.zeros(8, jnp.int32)
+    errors = jnp.zeros(NUM_ERROR_KINDS, jnp.int32)
     attrs = dict(kv_format=0, max_context=256)
 
     @jax.jit
