@@ -114,6 +114,7 @@ from . import sharding
 from . import multiprocess
 from .config import CacheConfig
 from .donation import NotDonatedWarning, check_donated
+from .error_detail import ErrorOp
 from .errors import CacheInputError, ErrorKind, check_errors, reset_errors
 from .manager import CacheFullError, CacheManager
 from .memory import memory_report
@@ -138,7 +139,7 @@ from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, Windo
 __all__ = [
     "CacheConfig", "CacheState", "KVEntries", "IndexerKeys", "WindowState", "CSAState",
     "HCAState", "init_state", "StepMeta", "CacheManager", "CacheFullError", "CacheInputError",
-    "ErrorKind", "check_errors", "reset_errors", "check_donated", "NotDonatedWarning",
+    "ErrorKind", "ErrorOp", "check_errors", "reset_errors", "check_donated", "NotDonatedWarning",
     "memory_report", "CompressorParams", "yarn_inv_freq",
     "default_impl", "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
     "indexer_topk", "write_layer", "attention",

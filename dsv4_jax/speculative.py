@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import config as C
+from .error_detail import ErrorOp, records_detail
 from .errors import ErrorKind
 from .meta import StepMeta
 from .ops import copy_rows
@@ -320,6 +321,7 @@ def verify_layer(state: CacheState, layer, spec: VerifyStep, comp_kv: jax.Array 
     return dataclasses.replace(out, errors=state.errors)
 
 
+@records_detail(ErrorOp.VERIFY_COMMIT, layer_arg=False, state_at=0)
 def verify_commit(state: CacheState, spec: VerifyStep, accepted: jax.Array, *,
                   impl: str = "auto") -> tuple[CacheState, StepMeta]:
     """End the verify pass: copy back what `verify_begin` copied, so the

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import config as C
 from .config import CacheConfig
-from .errors import NUM_ERROR_KINDS
+from .error_detail import errors_row
 
 FP8 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu
@@ -112,7 +112,10 @@ class CacheState:
     csa          CSAState         CSA pools, indexer keys, accumulators
     hca          HCAState         HCA pools and accumulators
     errors       i32[9]           count of dropped input per ErrorKind
-                                  (sharded: i32[S * 9], one row per shard)
+                                  (sharded: i32[S * 9], one row per shard;
+                                  with config.error_detail each row also
+                                  holds the op and layer of every kind's
+                                  first count: i32[27] a shard)
     config       CacheConfig      static (pytree metadata)
 
     Make it with `init_state`; pass it to every op and take back the state
@@ -169,7 +172,7 @@ def state_shapes(config: CacheConfig) -> CacheState:
                      S((Lc, R, 2, 3, C.INDEX_DIM), f32)),
         hca=HCAState(kv_entry_shapes(config.kv_format, (Lh, N, per_block_hca)),
                      S((Lh, R, 1, 3, C.HEAD_DIM), f32)),
-        errors=S((config.num_shards * NUM_ERROR_KINDS,), i32),   # one row of counters per shard
+        errors=S((config.num_shards * errors_row(config),), i32),   # one row a shard
         config=config)
 
 

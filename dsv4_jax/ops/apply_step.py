@@ -12,6 +12,7 @@ import dataclasses
 import jax
 
 from .. import reference
+from ..error_detail import ErrorOp, records_detail
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
@@ -21,6 +22,7 @@ from ._shards import per_shard
 TARGET = "dsv4_apply_step"
 
 
+@records_detail(ErrorOp.APPLY_STEP, layer_arg=False)
 def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> CacheState:
     """Start a step: resets, then new blocks (later rows win), in place.
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
+from ..error_detail import ErrorOp, records_detail
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..donation import warn_if_eager
@@ -140,6 +141,7 @@ def flush_ffi_operands(state: CacheState, kind: str, kv, score, params, index_kv
     return inputs + [state.block_table], fixed + [state.errors, *entries], rebuild
 
 
+@records_detail(ErrorOp.FLUSH)
 def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Array,
           params: CompressorParams, *, index_kv: jax.Array | None = None,
           index_score: jax.Array | None = None, impl: str = "auto") -> CacheState:
