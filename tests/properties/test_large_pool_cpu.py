@@ -48,7 +48,7 @@ def flush_then_gather(num_blocks):
         "dsv4_gather_all", [jnp.int32(0), jnp.array([0], jnp.int32), jnp.array([128], jnp.int32),
                             block_table, errors, nope, rope, scale],
         [jax.ShapeDtypeStruct((1, 1, 512), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32),
-         jax.ShapeDtypeStruct((8,), jnp.int32)], {4: 2}, **attrs)
+         jax.ShapeDtypeStruct((NUM_ERROR_KINDS,), jnp.int32)], {4: 2}, **attrs)
     assert int(count[0]) == 1 and int(errors.sum()) == 0
     row = np.asarray(out.astype(jnp.float32))[0, 0]
     # the bytes at the far end of the big leaf, read on the host
