@@ -1,7 +1,7 @@
 """A jitted, donated step compiles once over a serving engine's request
 moves (docs/api/state.md `init_state`): a fresh state is committed to the
 device where admit_on_prefix, resume and verify_commit leave it, and with
-fixed pad sizes every step has the same shapes.
+fixed pad sizes (`CacheManager.pad_sizes`) every step has the same shapes.
 jax keys its compiled programs on whether each argument is committed, so a
 fresh state that was not would compile every step again after the first
 move (seen only with JAX_LOG_COMPILES)."""
@@ -25,7 +25,7 @@ def test_fresh_state_is_committed_like_a_moved_one():
 def test_step_compiles_once_across_admit_preempt_resume_prefix_and_speculative_moves():
     streams = {k: stream(CFG, 512, seed=s) for k, s in (("a", 1), ("b", 2), ("c", 3))}
     m = dj.CacheManager(CFG)
-    pads = dict(min_new_blocks=8, min_resets=4)
+    pads = {k: v for k, v in m.pad_sizes(64).items() if k != "min_tokens"}
     d = SpecDriver(CFG, m, dj.init_state(CFG), streams, drafts=3, min_tokens=64, pads=pads)
     a, b = d.admit("a"), d.admit("b")
     d.step({a: 60, b: 4})                          # first step: the one compile
