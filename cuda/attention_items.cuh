@@ -155,8 +155,9 @@ __device__ __forceinline__ void AttnLiveItems(const AttentionArgs& a, int64_t en
 }
 
 // Whether item `it` of token t = (s, p) is seen; sets its source and entry
-// (or chunk row), and counts a bad CSA index or a missing block when
-// `counts` (one block per item counts). `check_chunk_row` false leaves the
+// (or chunk row), and counts a stale window row (one the query needs that
+// holds another position), a bad CSA index or a missing block when `counts`
+// (one block per item counts). `check_chunk_row` false leaves the
 // finiteness of a chunk row to the caller; true reads the encoding pass's
 // flag when there is one (a.chunk_finite), else scans the row.
 __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l, int64_t lk,
@@ -171,7 +172,9 @@ __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l
     if (w > p || w >= first_pos) return false;
     *e = AttnRingEntry(a, l, s, w);
     *src = kFromRing;
-    return __ldg(a.swa_pos + *e) == w;
+    const bool held = __ldg(a.swa_pos + *e) == w;
+    if (!held && counts) atomicAdd(&a.errors[kStaleWindow], 1);
+    return held;
   }
   it -= kWindow;
   if (a.has_chunk) {

@@ -1,13 +1,57 @@
 """dsv4_jax: the KV cache of DeepSeek-V4 hybrid attention for JAX.
 
 State is a pytree of device buffers (`CacheState`); ops are functional and
-update the buffers in place under `jax.jit(..., donate_argnames=...)`. A step
-calls `apply_step` once, then per layer `write_layer` (`append`, and on CSA
-and HCA layers `flush`, in one call), on CSA layers `indexer_topk`, and
-`attention` (the window, the CSA picks or every visible HCA entry, the
-sink). A model running its own attention reads with `gather_window`,
-`gather_topk` (CSA) and `gather_all` (HCA) instead. docs/api.md is this
-package's reference, generated from its docstrings by tools/gen_api.py.
+update the buffers in place under `jax.jit(..., donate_argnames=...)`. A
+decode step calls `apply_step` once, then per layer `write_layer` (`append`,
+and on CSA and HCA layers `flush`, in one call), on CSA layers
+`indexer_topk`, and `attention` (the window, the CSA picks or every visible
+HCA entry, the sink); a step with prompt chunks reads before it appends,
+and a speculative step verifies before it keeps (see "Step recipes"). A
+model running its own attention reads with `gather_window`, `gather_topk`
+(CSA) and `gather_all` (HCA) instead. docs/api.md is this package's
+reference, generated from its docstrings by tools/gen_api.py; the constants
+a caller sizes its operands with are on its "Constants" page.
+
+Step recipes:
+
+Every step is one jitted call with the state donated, `meta` from
+`CacheManager.prepare_step` (fixed pad sizes, `manager.pad_sizes(n)`, keep
+each recipe to one compile), and starts with `state = apply_step(state,
+meta)`. Per layer (CSA/HCA: the compressor part; CSA: the indexer):
+
+    decode (1 token a request)   prefill chunk (any rows)     speculative (1 + k a request)
+    ---------------------------  ---------------------------  ---------------------------------
+                                                              spec = verify_begin(state,
+                                                                  meta, drafts=K)
+    write_layer(meta, kv,        flush(meta, comp..)          verify_layer(spec, comp..)
+        comp..)
+    indexer_topk(slot, pos,..)   indexer_topk(slot, pos,..)   indexer_topk(v.slot, v.pos,..)
+    attention(slot, pos, q,..)   attention(.., chunk_kv=kv)   attention(v.., chunk_kv=kv)
+                                 append(meta, kv)
+                                                              after the layers:
+                                                              accepted = accepted_counts(
+                                                                  spec, draft_ok)
+                                                              state, kept = verify_commit(
+                                                                  state, spec, accepted)
+                                                              write_layer(kept, kv, comp..)
+                                                                  on every layer
+    host: prepare_step({r: 1})   host: prepare_step({r: n})   host: prepare_step({r: 1 + k},
+                                                                  speculative=True); after:
+                                                              commit_speculative(
+                                                                  accepted_of(accepted))
+
+(`slot, pos` = `meta.token_slot, meta.token_pos`; `v` = `spec.verified`.)
+The decode recipe appends a token before its reads, so its window holds
+the token itself. A step with more than one row of a request must read
+first: appending a chunk overwrites ring rows its earlier queries still
+need; attention then skips those rows and counts them
+(`ErrorKind.STALE_WINDOW`), as it does for a gap or a rewind of a
+request's positions. The chunk recipe serves decode rows too (a chunk of
+one), so a step mixing prompt chunks and decode tokens takes it; a step
+of decode tokens alone may take either (the decode recipe reads no
+chunk rows). examples/serving_engine.py runs all three in a
+continuous-batching engine, docs/design.md §13 gives the speculative
+step's contract.
 
 Threading the state:
 
@@ -114,6 +158,7 @@ from . import sharding
 from . import multiprocess
 from .config import CacheConfig
 from .donation import NotDonatedWarning, check_donated
+from .error_detail import ErrorOp
 from .errors import CacheInputError, ErrorKind, check_errors, reset_errors
 from .manager import CacheFullError, CacheManager
 from .memory import memory_report
@@ -132,13 +177,13 @@ from .requests.moves import (OffloadedRequest, admit_on_prefix, export_request,
 from .requests.transfer import (read_blocks, read_request, request_ids, restore, snapshot,
                                 write_blocks, write_request)
 from .requests.types import RequestBlocks, RequestIds, RequestSnapshot
-from .speculative import VerifyStep, verify_begin, verify_commit, verify_layer
+from .speculative import VerifyStep, accepted_counts, verify_begin, verify_commit, verify_layer
 from .state import CacheState, HCAState, CSAState, IndexerKeys, KVEntries, WindowState, init_state
 
 __all__ = [
     "CacheConfig", "CacheState", "KVEntries", "IndexerKeys", "WindowState", "CSAState",
     "HCAState", "init_state", "StepMeta", "CacheManager", "CacheFullError", "CacheInputError",
-    "ErrorKind", "check_errors", "reset_errors", "check_donated", "NotDonatedWarning",
+    "ErrorKind", "ErrorOp", "check_errors", "reset_errors", "check_donated", "NotDonatedWarning",
     "memory_report", "CompressorParams", "yarn_inv_freq",
     "default_impl", "apply_step", "append", "flush", "gather_window", "gather_topk", "gather_all",
     "indexer_topk", "write_layer", "attention",
@@ -146,6 +191,6 @@ __all__ = [
     "read_blocks", "write_blocks", "read_request", "write_request",
     "OffloadedRequest", "share_prefix", "admit_on_prefix", "offload", "preempt", "resume",
     "export_request", "import_request",
-    "VerifyStep", "verify_begin", "verify_layer", "verify_commit",
+    "VerifyStep", "verify_begin", "verify_layer", "verify_commit", "accepted_counts",
 ]
 __version__ = "0.1.0"

@@ -71,6 +71,9 @@ class CacheConfig:
     model                   a label: "flash", "pro", "tiny" or "custom"
     num_shards, shard_axis  set by `dsv4_jax.sharding.shard_config`; R and N
                             are then global, split evenly over the shards
+    error_detail            also record, per error kind, the op and layer that
+                            counted it first (`state.errors` three times as
+                            long; `check_errors` shows it): cheap, opt-in
 
     Frozen and hashable, so it can be a static argument of `jax.jit`; it is
     the static part of `CacheState`.
@@ -85,6 +88,7 @@ class CacheConfig:
     model: str = "custom"
     num_shards: int = 1
     shard_axis: str | None = None
+    error_detail: bool = False
 
     def __post_init__(self):
         ratios = tuple(self.compress_ratios)

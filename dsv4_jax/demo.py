@@ -455,7 +455,8 @@ def run(cfg: CacheConfig, settings: DemoSettings, impl: str = "auto", metas=None
         if metas is None:
             min_tokens = chunk_rows if phase == "prefill" else B
             meta = manager.prepare_step({r: n for r, n in zip(ids, take) if n or phase == "prefill"},
-                                        min_tokens=min_tokens, **pads)
+                                        min_tokens=min_tokens, speculative=speculative,
+                                        **pads)
             if speculative:
                 kept = acceptance(settings, i, take)
                 recorded_accepted[i] = manager.commit_speculative(

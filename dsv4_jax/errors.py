@@ -19,20 +19,22 @@ class ErrorKind(enum.IntEnum):
     """Index of each counter in `state.errors`. The C++ and CUDA code use the
     same numbers (enum ErrorKind in ffi/include/dsv4/layout.h)."""
     BAD_SLOT = 0          # slot outside [0, R) (-1 padding is not an error)
-    BAD_POSITION = 1      # negative position, or beyond the request's block table
+    BAD_POSITION = 1      # position < 0 or >= max_context (flush: also out of its run)
     MISSING_BLOCK = 2     # block table entry -1 or >= N where a write/read needs it
     BAD_INDEX = 3         # top-k index < -1, or of an entry not emitted yet
     BAD_LENGTH = 4        # a length beyond the request's capacity, or a bad accepted count
     NONFINITE = 5         # NaN or Inf in an input
     BAD_LAYER = 6         # traced layer index out of range or of the wrong kind
     BAD_BLOCK_ASSIGNMENT = 7  # new-block row with logical or physical id out of range
+    STALE_WINDOW = 8      # a window row attention needs holds another position
 
 
 NUM_ERROR_KINDS = len(ErrorKind)
 
 _DESCRIPTIONS = {
     ErrorKind.BAD_SLOT: "request slot outside [0, max_requests)",
-    ErrorKind.BAD_POSITION: "negative position or position beyond the request's block table",
+    ErrorKind.BAD_POSITION: ("token rows at a position < 0 or >= max_context (flush: also a "
+                             "row out of its request's run of consecutive positions)"),
     ErrorKind.MISSING_BLOCK: "block table entry missing (-1) or >= num_blocks where needed",
     ErrorKind.BAD_INDEX: "top-k index < -1 or of an entry not emitted yet",
     ErrorKind.BAD_LENGTH: ("length beyond the request's capacity, or a speculative step's "
@@ -40,6 +42,9 @@ _DESCRIPTIONS = {
     ErrorKind.NONFINITE: "NaN or Inf in an input",
     ErrorKind.BAD_LAYER: "traced layer index out of range or of the wrong kind",
     ErrorKind.BAD_BLOCK_ASSIGNMENT: "new block with logical or physical id out of range",
+    ErrorKind.STALE_WINDOW: ("window rows attention needed that hold another position (a "
+                             "chunk appended before its own reads, a gap or a rewind of the "
+                             "request's positions): each such row of each query is not read"),
 }
 
 
@@ -49,14 +54,20 @@ class CacheInputError(RuntimeError):
     `counts` maps each `ErrorKind` to its count, summed over the shards read;
     `by_shard` (sharded states) maps each shard with a non-zero counter to
     (the process that holds it, its counts), so a multi-process run says which
-    process saw what."""
+    process saw what. `first` (for a state made with
+    `CacheConfig(error_detail=True)`) maps each kind to (shard, op, layer)
+    of its first count: the op (an `ErrorOp`) and the global layer (-1: an
+    op without one) that counted it first, on the lowest shard that counted
+    it (shard None: an unsharded state)."""
 
     def __init__(self, counts: dict[ErrorKind, int],
-                 by_shard: dict[int, tuple[int, dict[ErrorKind, int]]] | None = None):
+                 by_shard: dict[int, tuple[int, dict[ErrorKind, int]]] | None = None,
+                 first: dict | None = None):
         self.counts = counts
         self.by_shard = by_shard or {}
+        self.first = first or {}
         lines = [f"  {kind.name.lower()}: {n} ({_DESCRIPTIONS[kind]})"
-                 for kind, n in counts.items()]
+                 + _first_text(self.first.get(kind)) for kind, n in counts.items()]
         for shard, (process, kinds) in sorted(self.by_shard.items()):
             lines.append(f"  shard {shard} (process {process}): "
                          + ", ".join(f"{k.name.lower()} {n}" for k, n in kinds.items()))
@@ -65,7 +76,57 @@ class CacheInputError(RuntimeError):
 
 
 def _nonzero(row) -> dict[ErrorKind, int]:
-    return {ErrorKind(i): int(v) for i, v in enumerate(row) if v}
+    return {ErrorKind(i): int(v) for i, v in enumerate(row[:NUM_ERROR_KINDS]) if v}
+
+
+def _first_text(record) -> str:
+    if record is None:
+        return ""
+    shard, op, layer = record
+    where = f"{op.name.lower()}" + ("" if layer < 0 else f", layer {layer}")
+    return f"; first counted by {where}" + ("" if shard is None else f" on shard {shard}")
+
+
+def _row_length(state_or_errors) -> int:
+    config = getattr(state_or_errors, "config", None)
+    if config is None:
+        return NUM_ERROR_KINDS
+    from .error_detail import errors_row
+    return errors_row(config)
+
+
+def _shard_rows(state_or_errors) -> dict[int, tuple[int, np.ndarray]]:
+    """Every shard's row of `errors` this process can read: shard ->
+    (process holding it, the row as numpy)."""
+    errors = getattr(state_or_errors, "errors", state_or_errors)
+    row = _row_length(state_or_errors)
+    out = {}
+    if isinstance(errors, jax.Array) and not errors.is_fully_replicated:
+        for piece in errors.addressable_shards:
+            shard = (piece.index[0].start or 0) // row
+            if shard not in out:    # a shard held by several devices is read once
+                out[shard] = (piece.device.process_index, np.asarray(piece.data))
+        return dict(sorted(out.items()))
+    process = jax.process_index()
+    return {k: (process, r) for k, r in enumerate(np.asarray(errors).reshape(-1, row))}
+
+
+def _first_records(state_or_errors, rows) -> dict:
+    """{ErrorKind: (shard or None, ErrorOp, layer)}: the lowest shard's
+    record of each kind, for a state with error detail."""
+    config = getattr(state_or_errors, "config", None)
+    if config is None or not config.error_detail:
+        return {}
+    from .error_detail import ErrorOp
+    K = NUM_ERROR_KINDS
+    out = {}
+    for shard, (_, row) in sorted(rows.items()):
+        for k in range(K):
+            op = int(row[K + k])
+            if row[k] and op and ErrorKind(k) not in out:
+                out[ErrorKind(k)] = (shard if config.sharded else None, ErrorOp(op),
+                                     int(row[2 * K + k]))
+    return out
 
 
 def shard_error_counts(state_or_errors) -> dict[int, tuple[int, dict[ErrorKind, int]]]:
@@ -74,17 +135,9 @@ def shard_error_counts(state_or_errors) -> dict[int, tuple[int, dict[ErrorKind, 
     (docs/design.md §10) a process reads only the shards on its own devices;
     the others' counters are theirs to check. Reads device data: host side
     only."""
-    errors = getattr(state_or_errors, "errors", state_or_errors)
-    out = {}
-    if isinstance(errors, jax.Array) and not errors.is_fully_replicated:
-        for piece in errors.addressable_shards:
-            shard = (piece.index[0].start or 0) // NUM_ERROR_KINDS
-            if shard not in out:    # a shard held by several devices is read once
-                out[shard] = (piece.device.process_index, _nonzero(np.asarray(piece.data)))
-        return {k: v for k, v in sorted(out.items()) if v[1]}
-    process = jax.process_index()
-    rows = np.asarray(errors).reshape(-1, NUM_ERROR_KINDS)
-    return {k: (process, _nonzero(row)) for k, row in enumerate(rows) if row.any()}
+    rows = _shard_rows(state_or_errors)
+    out = {k: (process, _nonzero(row)) for k, (process, row) in rows.items()}
+    return {k: v for k, v in out.items() if v[1]}
 
 
 def error_counts(state_or_errors) -> dict[ErrorKind, int]:
@@ -106,13 +159,18 @@ def check_errors(state_or_errors) -> None:
     `CacheState` or its `errors` array. A sharded state's counters are summed
     over its shards and also listed per shard with the process that holds
     each; in a multi-process run each process checks its own shards (call it
-    on every process)."""
-    by_shard = shard_error_counts(state_or_errors)
+    on every process). A state made with `CacheConfig(error_detail=True)`
+    also says which op and layer counted each kind first (pass the state,
+    not its errors array, for that)."""
+    rows = _shard_rows(state_or_errors)
+    by_shard = {k: (process, _nonzero(row)) for k, (process, row) in rows.items()}
+    by_shard = {k: v for k, v in by_shard.items() if v[1]}
     counts = _summed(by_shard)
     if counts:
         errors = getattr(state_or_errors, "errors", state_or_errors)
-        sharded = np.shape(errors)[0] > NUM_ERROR_KINDS
-        raise CacheInputError(counts, by_shard if sharded else None)
+        sharded = np.shape(errors)[0] > _row_length(state_or_errors)
+        raise CacheInputError(counts, by_shard if sharded else None,
+                              _first_records(state_or_errors, rows))
 
 
 def reset_errors(state):

@@ -75,6 +75,7 @@ class CacheManager:
         # the last step's (start length, tokens, blocks held before it) per
         # request, until commit_speculative settles it or the next step
         self._last_step: dict[Hashable, tuple[int, int, int]] = {}
+        self._speculative = False      # the last step was prepared as a speculative one
 
     # ---- queries ---------------------------------------------------------------
     @property
@@ -184,7 +185,9 @@ class CacheManager:
         if entry is not None:
             return self._place(request_id, slot, entry.tokens, list(entry.blocks))
         request_id = self._place(request_id, slot, 0, [])
-        self._pending_resets.append(self._requests[request_id].slot)
+        slot = self._requests[request_id].slot
+        if slot not in self._pending_resets:    # admitted, released, admitted again: one reset
+            self._pending_resets.append(slot)
         return request_id
 
     def admit_restored(self, length: int, request_id: Hashable | None = None, *,
@@ -306,16 +309,39 @@ class CacheManager:
     # ---- steps -----------------------------------------------------------------------
     def prepare_step(self, tokens: Mapping[Hashable, int], *, min_tokens: int = 1,
                      min_new_blocks: int = 1, min_resets: int = 1,
-                     device_put: bool = True) -> StepMeta:
+                     device_put: bool = True, speculative: bool = False) -> StepMeta:
         """Metadata of one step that appends `tokens[r]` tokens to each request r.
 
         Allocates a block whenever a request's new tokens cross into a new
         128-token block. Raises CacheFullError (and changes nothing) if a
         request would pass its maximum context or the free blocks run out.
-        Sizes are padded to powers of two, at least the given minimums."""
+        Sizes are padded to powers of two, at least the given minimums
+        (`pad_sizes` gives minimums that fit every step up to a size, so a
+        jitted step compiles once). `speculative=True` prepares a speculative
+        step (docs/design.md §13): its tokens are the requests' next tokens
+        and drafts, and `commit_speculative` then says how many each keeps;
+        `commit_speculative` refuses any other step."""
         plan = self.plan_step(tokens)
         return self.commit_step(plan, min_tokens=min_tokens, min_new_blocks=min_new_blocks,
-                                min_resets=min_resets, device_put=device_put)
+                                min_resets=min_resets, device_put=device_put,
+                                speculative=speculative)
+
+    def pad_sizes(self, max_tokens: int, *, max_requests: int | None = None) -> dict:
+        """`prepare_step`'s minimums (`min_tokens`, `min_new_blocks`,
+        `min_resets`) that every step of at most `max_tokens` tokens over at
+        most `max_requests` requests (default: every slot) fits, so such
+        steps all have one shape: `prepare_step(tokens,
+        **manager.pad_sizes(256))`. New blocks: a request's n tokens open at
+        most ceil(n / 128) blocks; resets: one a slot."""
+        R = self.config.max_requests
+        requests = R if max_requests is None else max_requests
+        for name, v in (("max_tokens", max_tokens), ("max_requests", requests)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        rows = min(int(requests), R, int(max_tokens))   # requests with at least one token
+        blocks = rows + (int(max_tokens) - rows) // BLOCK_TOKENS
+        return dict(min_tokens=bucket(int(max_tokens)), min_new_blocks=bucket(blocks),
+                    min_resets=bucket(R))
 
     def plan_step(self, tokens: Mapping[Hashable, int]) -> "StepPlan":
         """Check a step and size it, changing nothing (CacheFullError, KeyError
@@ -344,9 +370,11 @@ class CacheManager:
         return StepPlan(rows, sum(r[1] for r in rows), blocks_needed, len(self._pending_resets))
 
     def commit_step(self, plan: "StepPlan", *, min_tokens: int = 1, min_new_blocks: int = 1,
-                    min_resets: int = 1, device_put: bool = True) -> StepMeta:
+                    min_resets: int = 1, device_put: bool = True,
+                    speculative: bool = False) -> StepMeta:
         """Carry out a plan from `plan_step` (made since the last change)."""
         cfg = self.config
+        self._speculative = bool(speculative)
         T = bucket(plan.num_tokens, min_tokens)
         token_slot = np.full(T, -1, np.int32)
         token_pos = np.zeros(T, np.int32)
@@ -386,9 +414,12 @@ class CacheManager:
         """The checks of `commit_speculative`, changing nothing: {request:
         (start length, tokens kept, blocks held before the step)}; ValueError
         otherwise."""
-        if not self._last_step and accepted:
-            raise ValueError(f"accepted: no step to commit{self._where()} (commit_speculative "
-                             f"follows the prepare_step of a speculative step, once)")
+        stepped = any(n for _, n, _ in self._last_step.values())
+        if not self._speculative and (accepted or stepped):
+            what = ("the last step was not prepared as a speculative one" if stepped else
+                    "no step to commit")
+            raise ValueError(f"accepted: {what}{self._where()}; commit_speculative follows "
+                             f"prepare_step(..., speculative=True), once (nothing changed)")
         missing = [r for r, (_, n, _) in self._last_step.items() if n and r not in accepted]
         if missing:
             raise ValueError(f"accepted: no count for request {missing[0]!r}{self._where()}, "
@@ -429,7 +460,21 @@ class CacheManager:
             req.length = length
             out[req.slot] = a
         self._last_step = {}
+        self._speculative = False
         return out
+
+    def accepted_of(self, accepted) -> dict:
+        """{request: kept tokens} of the last step's requests from `accepted`
+        by slot as verify_commit takes it (i32[R], e.g. the device's
+        `dsv4_jax.accepted_counts`; read to the host here): what
+        `commit_speculative` takes. Call it before `commit_speculative`."""
+        counts = np.asarray(accepted)
+        R = self.config.max_requests
+        if counts.shape != (R,) or not np.issubdtype(counts.dtype, np.integer):
+            raise ValueError(f"accepted: expected an integer array [{R}] by slot, got "
+                             f"{counts.dtype}{list(counts.shape)}")
+        return {rid: int(counts[self._requests[rid].slot])
+                for rid, (_, n, _) in self._last_step.items() if n}
 
 
 @dataclasses.dataclass(frozen=True)

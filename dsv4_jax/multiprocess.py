@@ -170,7 +170,7 @@ class ProcessCacheManager:
 
     def prepare_step(self, tokens: Mapping[Hashable, int], *, min_tokens: int = 1,
                      min_new_blocks: int = 1, min_resets: int = 1,
-                     sizes: Sequence[int] | None = None) -> StepMeta:
+                     sizes: Sequence[int] | None = None, speculative: bool = False) -> StepMeta:
         """The step's global metadata, built from this process's shards only.
 
         Every shard's metadata is padded to sizes common to all shards of all
@@ -186,7 +186,7 @@ class ProcessCacheManager:
         another process's: route its tokens there). When the call fails on
         one process, the exchange tells the others, whose calls raise
         StepAbandoned; nothing changes on any shard of any process, and every
-        process calls again."""
+        process calls again. `speculative` as in `CacheManager.prepare_step`."""
         try:
             plans, local = self._plan(tokens, min_tokens, min_new_blocks, min_resets)
         except Exception:
@@ -211,7 +211,8 @@ class ProcessCacheManager:
                                              f"{size}")
         T, NB, NR = agreed
         metas = [self.managers[k].commit_step(plans[k], min_tokens=T, min_new_blocks=NB,
-                                              min_resets=NR, device_put=False)
+                                              min_resets=NR, device_put=False,
+                                              speculative=speculative)
                  for k in self.shards]
         self._tokens_per_shard = T
         data = self.put_rows(np.concatenate([np.asarray(m.data) for m in metas]))

@@ -188,11 +188,26 @@ class ShardedCacheManager:
             m.check_speculative(a)
         return np.concatenate([m.commit_speculative(a) for m, a in zip(self.shards, per_shard)])
 
+    def accepted_of(self, accepted) -> dict:
+        """`CacheManager.accepted_of` over every shard: `accepted` i32[S * R]
+        by local slot, shard after shard (what verify_commit takes)."""
+        counts = np.asarray(accepted)
+        R = self.config.local().max_requests
+        if counts.shape != (len(self.shards) * R,):
+            raise ValueError(f"accepted: expected an integer array [{len(self.shards) * R}] "
+                             f"(shard after shard, by local slot), got "
+                             f"{counts.dtype}{list(counts.shape)}")
+        out = {}
+        for k, m in enumerate(self.shards):
+            out.update(m.accepted_of(counts[k * R:(k + 1) * R]))
+        return out
+
     def prepare_step(self, tokens: Mapping[Hashable, int], *, min_tokens: int = 1,
-                     device_put: bool = True) -> StepMeta:
+                     device_put: bool = True, speculative: bool = False) -> StepMeta:
         """Per-shard metadata padded to common sizes and concatenated shard by
         shard. All shards are checked before any changes (CacheFullError names
-        the shard); a failed step changes nothing."""
+        the shard); a failed step changes nothing. `speculative` as in
+        `CacheManager.prepare_step`."""
         per_shard = [dict() for _ in self.shards]
         for rid, n in tokens.items():
             per_shard[self.shard_of(rid)][rid] = n
@@ -200,7 +215,8 @@ class ShardedCacheManager:
         sizes = dict(min_tokens=max([min_tokens] + [p.num_tokens for p in plans]),
                      min_new_blocks=max([1] + [p.num_new_blocks for p in plans]),
                      min_resets=max([1] + [p.num_resets for p in plans]))
-        metas = [m.commit_step(p, device_put=False, **sizes) for m, p in zip(self.shards, plans)]
+        metas = [m.commit_step(p, device_put=False, speculative=speculative, **sizes)
+                 for m, p in zip(self.shards, plans)]
         first = metas[0]
         self._tokens_per_shard = first.num_tokens
         data = np.concatenate([np.asarray(m.data) for m in metas])

@@ -2,7 +2,7 @@
 its drafts as one prefill chunk, then keep a prefix of them, leaving the
 cache byte for byte what a cache fed only the kept tokens holds.
 
-    meta = manager.prepare_step({r: 1 + k, ...})           # blocks for every position
+    meta = manager.prepare_step({r: 1 + k, ...}, speculative=True)   # blocks for every position
     state = apply_step(state, meta)
     spec = verify_begin(state, meta, drafts=k)              # copy what verify may change
     for layer in layers:                                    # a prefill chunk, never appended
@@ -11,10 +11,11 @@ cache byte for byte what a cache fed only the kept tokens holds.
         idx, state = indexer_topk(state, layer, spec.verified.token_slot, ...)
         out, lse, state = attention(state, layer, q, spec.verified.token_slot, ...,
                                     topk=idx, chunk_kv=kv)
+    accepted = accepted_counts(spec, draft_ok)              # i32[R] on the device
     state, kept = verify_commit(state, spec, accepted)      # copy back; kept rows' metadata
     for layer in layers:
         state = write_layer(state, layer, kept, kv, comp_kv, comp_score, params, ...)
-    manager.commit_speculative({r: accepted_r, ...})        # on the host, before the next step
+    manager.commit_speculative(manager.accepted_of(accepted))   # host, before the next step
 
 `verify_layer` is `flush` of the verified rows (each slot's first 1 + k
 rows) with its counts thrown away; the ring is never written during
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import config as C
+from .error_detail import ErrorOp, records_detail
 from .errors import ErrorKind
 from .meta import StepMeta
 from .ops import copy_rows
@@ -45,7 +47,8 @@ from .ops.write_layer import compressor_operands_given
 from .params import CompressorParams
 from .state import CacheState, check_state
 
-__all__ = ["VerifyStep", "verify_begin", "verify_layer", "verify_commit", "MAX_DRAFTS"]
+__all__ = ["VerifyStep", "verify_begin", "verify_layer", "verify_commit", "accepted_counts",
+           "MAX_DRAFTS"]
 
 # A slot's verified rows span at most two blocks (1 + drafts <= 128
 # positions), so two block copies a slot hold every entry they can close.
@@ -318,6 +321,7 @@ def verify_layer(state: CacheState, layer, spec: VerifyStep, comp_kv: jax.Array 
     return dataclasses.replace(out, errors=state.errors)
 
 
+@records_detail(ErrorOp.VERIFY_COMMIT, layer_arg=False, state_at=0)
 def verify_commit(state: CacheState, spec: VerifyStep, accepted: jax.Array, *,
                   impl: str = "auto") -> tuple[CacheState, StepMeta]:
     """End the verify pass: copy back what `verify_begin` copied, so the
@@ -351,3 +355,43 @@ def verify_commit(state: CacheState, spec: VerifyStep, accepted: jax.Array, *,
         state, data = _commit_body(state, spec.meta, spec.ids, spec.rows, accepted, drafts, impl)
     # kept rows: at most 1 + drafts a slot, as verified
     return state, dataclasses.replace(spec.meta, data=data, max_rows_per_slot=1 + drafts)
+
+
+def accepted_counts(spec: VerifyStep, draft_ok: jax.Array) -> jax.Array:
+    """`accepted` for `verify_commit`, on the device, from per-row draft
+    matches: i32[R] by slot (sharded: S * R, shard after shard, by local
+    slot), 0 for slots without verified rows.
+
+    draft_ok  bool[T] (sharded: S * T) in the step's row order: whether the
+              draft a row holds is the token the model chose after the row
+              before it (in the usual verify, row j's token equals the one
+              sampled from row j - 1's output). Read for verified rows that
+              are not their slot's first; a slot's first row, the token
+              sampled after the previous step, is always kept.
+
+    A slot keeps its first row and every draft up to its first mismatch:
+    1 + the number of leading matches among its drafts, at most its
+    verified rows (`spec.verified`, 1 + drafts at most). Inside a jitted
+    step; `CacheManager.accepted_of` turns the result into the request ids
+    `commit_speculative` takes."""
+    if not isinstance(spec, VerifyStep):
+        raise ValueError(f"spec: expected the VerifyStep of verify_begin, got "
+                         f"{type(spec).__name__}")
+    meta = spec.verified
+    T, R = meta.num_tokens, meta.num_requests
+    S = meta.num_shards
+    check_array("draft_ok", draft_ok, (S * T,), jnp.bool_)
+    big = jnp.iinfo(jnp.int32).max
+
+    def one_shard(slot, pos, ok):
+        at = jnp.where((slot >= 0) & (slot < R), slot, R)      # R: a dropped row
+        first = jnp.full((R + 1,), big, jnp.int32).at[at].min(pos)
+        rank = pos - first[at]                                  # 0 for the slot's first row
+        rows = jnp.zeros((R + 1,), jnp.int32).at[at].add(1)
+        miss = jnp.where((at < R) & (rank > 0) & ~ok, rank, big)
+        first_miss = jnp.full((R + 1,), big, jnp.int32).at[at].min(miss)
+        return jnp.minimum(rows, first_miss)[:R]
+
+    out = jax.vmap(one_shard)(meta.token_slot.reshape(S, T), meta.token_pos.reshape(S, T),
+                              draft_ok.reshape(S, T))
+    return out.reshape(S * R)

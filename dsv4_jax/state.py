@@ -15,7 +15,7 @@ import numpy as np
 
 from . import config as C
 from .config import CacheConfig
-from .errors import NUM_ERROR_KINDS
+from .error_detail import errors_row
 
 FP8 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu
@@ -111,8 +111,11 @@ class CacheState:
     swa          WindowState      every layer's sliding window
     csa          CSAState         CSA pools, indexer keys, accumulators
     hca          HCAState         HCA pools and accumulators
-    errors       i32[8]           count of dropped input per ErrorKind
-                                  (sharded: i32[S * 8], one row per shard)
+    errors       i32[9]           count of dropped input per ErrorKind
+                                  (sharded: i32[S * 9], one row per shard;
+                                  with config.error_detail each row also
+                                  holds the op and layer of every kind's
+                                  first count: i32[27] a shard)
     config       CacheConfig      static (pytree metadata)
 
     Make it with `init_state`; pass it to every op and take back the state
@@ -169,7 +172,7 @@ def state_shapes(config: CacheConfig) -> CacheState:
                      S((Lc, R, 2, 3, C.INDEX_DIM), f32)),
         hca=HCAState(kv_entry_shapes(config.kv_format, (Lh, N, per_block_hca)),
                      S((Lh, R, 1, 3, C.HEAD_DIM), f32)),
-        errors=S((config.num_shards * NUM_ERROR_KINDS,), i32),   # one row of counters per shard
+        errors=S((config.num_shards * errors_row(config),), i32),   # one row a shard
         config=config)
 
 
@@ -184,7 +187,9 @@ def init_state(config: CacheConfig, sharding=None) -> CacheState:
     """A fresh cache: block table and window positions -1, accumulators empty,
     pools zero (scales 1.0, byte 0x7F: the same "blank entry" `apply_step`
     scrubs recycled blocks to). `sharding`, if given, is a pytree of shardings matching the
-    state (see `dsv4_jax.sharding`) and every leaf is created already placed."""
+    state (see `dsv4_jax.sharding`) and every leaf is created already placed;
+    without it every leaf is committed to the default device, where the
+    request moves leave a state, so a jitted step compiles once for both."""
     shapes = state_shapes(config)
 
     def make(path, sds):
@@ -201,8 +206,23 @@ def init_state(config: CacheConfig, sharding=None) -> CacheState:
         return jax.tree_util.tree_map_with_path(make, shapes)
 
     if sharding is None:
-        return jax.jit(build)()
+        # committed to the default device, as every move (`restore`, `resume`,
+        # ...) leaves the state: a jitted step keys its cache on whether its
+        # arguments are committed, so an uncommitted fresh state would make
+        # the step compile again after the first move
+        sharding = jax.sharding.SingleDeviceSharding(default_device())
     return jax.jit(build, out_shardings=sharding)()
+
+
+def default_device():
+    """The device jax puts new arrays on: `jax.default_device` if one is set
+    (a device or a platform name), else the first local device."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.local_devices()[0]
+    if isinstance(device, str):
+        return jax.local_devices(backend=device)[0]
+    return device
 
 
 def check_tree(name: str, tree, want, layout: str = "") -> None:

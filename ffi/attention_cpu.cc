@@ -92,6 +92,7 @@ void CollectRows(const AttentionArgs& a, int64_t l, int64_t lk, const ChunkView*
   for (int64_t w = lo; w <= p && w < p0; ++w) {           // the ring
     const int64_t e = AttnRingEntry(a, l, s, w);
     if (a.swa_pos[e] == w) AddEntry(a.ring, e, rows);
+    else ++a.errors[kStaleWindow];                       // overwritten, a gap or a rewind
   }
   if (chunk) {                                            // the chunk's rows, by position
     const auto& mine = chunk->by_slot[s];

@@ -154,7 +154,7 @@ def test_quick_run_reports_its_fields(tmp_path, capsys):
     row = rows[0]
     assert (row["B"], row["context"], row["model"], row["variant"]) == (1, 512, "flash", "base")
     assert row["host_ms"] > 0 and row["first_call_s"] > 0
-    assert row["errors"] == [0] * 8
+    assert row["errors"] == [0] * dj.errors.NUM_ERROR_KINDS
     if jax.default_backend() == "gpu":
         assert row["kernels_per_step"] > 0 and row["span_us"] > 0
         assert 0 < row["cache_busy_us"] <= row["busy_us"] and row["sequence"]

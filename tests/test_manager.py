@@ -25,8 +25,9 @@ def test_admit_until_full_then_release_and_reuse():
     new = m.admit("late")
     assert m.slot_of(new) == 1 and m.free_slots == 0
     meta = m.prepare_step({})
-    # resets of every admitted slot, in admission order, then padding
-    assert list(np.asarray(meta.reset_slots)[:4]) == [0, 1, 2, 1]
+    # one reset of every admitted slot (slot 1, admitted twice, once), in
+    # admission order, then padding: at most R resets a step (pad_sizes)
+    assert list(np.asarray(meta.reset_slots)) == [0, 1, 2, -1]
 
 
 def test_blocks_are_allocated_exactly_at_128_token_boundaries():
@@ -118,7 +119,7 @@ def test_commit_speculative_keeps_the_counts_and_gives_back_the_steps_empty_bloc
     m = CacheManager(cfg)
     a, b, c = m.admit(), m.admit(), m.admit()
     m.prepare_step({a: 126, b: 10, c: 128})
-    m.prepare_step({a: 5, b: 5, c: 4})          # a: 126..130 (a new block), c: 128..131 (one too)
+    m.prepare_step({a: 5, b: 5, c: 4}, speculative=True)   # a: 126..130 (a new block), c: 128..131 (one too)
     assert [len(m.blocks_of(r)) for r in (a, b, c)] == [2, 1, 2]
     free, new_c = m.free_blocks, m.blocks_of(c)[1]
     out = m.commit_speculative({a: 3, b: 5, c: 0})
@@ -128,7 +129,7 @@ def test_commit_speculative_keeps_the_counts_and_gives_back_the_steps_empty_bloc
     assert out.dtype == np.int32 and out.tolist() == [3, 5, 0]
     with pytest.raises(ValueError, match="no step to commit"):
         m.commit_speculative({a: 1})           # one commit a step
-    m.prepare_step({a: 2})                      # a request without tokens needs no count
+    m.prepare_step({a: 2}, speculative=True)    # a request without tokens needs no count
     m.commit_speculative({a: 2})
     assert m.length_of(a) == 131
 
@@ -146,7 +147,7 @@ def test_commit_speculative_refuses_bad_counts_and_changes_nothing(accepted, mat
     for r in "abc":
         m.admit(r)
     m.prepare_step({"a": 126, "b": 1})
-    m.prepare_step({"a": 4, "b": 4})
+    m.prepare_step({"a": 4, "b": 4}, speculative=True)
     before = snapshot(m)
     with pytest.raises(ValueError, match=match):
         m.commit_speculative(accepted)
@@ -154,11 +155,67 @@ def test_commit_speculative_refuses_bad_counts_and_changes_nothing(accepted, mat
     m.commit_speculative({"a": 4, "b": 4})      # the step can still be committed
 
 
+def test_commit_speculative_refuses_a_step_not_prepared_as_speculative():
+    """After an ordinary prepare_step({a: 5}) the device holds 5 tokens of a:
+    a commit that kept 1 would leave the host's length behind the cache."""
+    cfg = CacheConfig.tiny(max_requests=2, max_context=512, num_blocks=8)
+    m = CacheManager(cfg)
+    a, b = m.admit("a"), m.admit("b")
+    m.prepare_step({a: 5, b: 130})
+    before = snapshot(m)
+    for accepted in ({a: 1, b: 1}, {}):
+        with pytest.raises(ValueError, match="the last step was not prepared as a speculative "
+                                             r"one; commit_speculative follows prepare_step\("
+                                             r"\.\.\., speculative=True\)"):
+            m.commit_speculative(accepted)
+        assert snapshot(m) == before
+    assert m.length_of(a) == 5 and m.length_of(b) == 130
+    m.prepare_step({a: 3}, speculative=True)
+    m.prepare_step({a: 1})                     # a later ordinary step ends the speculative one
+    with pytest.raises(ValueError, match="not prepared as a speculative one"):
+        m.commit_speculative({a: 1})
+    m.prepare_step({a: 3, b: 2}, speculative=True)
+    assert m.commit_speculative({a: 1, b: 2}).tolist() == [1, 2]
+    assert (m.length_of(a), m.length_of(b)) == (5 + 3 + 1 + 1, 130 + 2)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 64, 300])
+def test_pad_sizes_fit_every_step_up_to_its_size(max_tokens):
+    """Random steps of at most max_tokens tokens over random requests (admitted,
+    released, a slot reused), each against its own layout: every StepMeta
+    has the sizes pad_sizes names, none larger."""
+    cfg = CacheConfig.tiny(max_requests=4, max_context=4096, num_blocks=256)
+    rng = np.random.default_rng(max_tokens)
+    m = CacheManager(cfg)
+    pads = m.pad_sizes(max_tokens)
+    sizes = set()
+    for _ in range(60):
+        while m.free_slots and rng.random() < 0.5:
+            m.admit()
+        if m.requests and rng.random() < 0.15:
+            m.release(m.requests[int(rng.integers(len(m.requests)))])
+        live = [r for r in m.requests if m.length_of(r) < 3500]
+        if not live:
+            continue
+        budget = int(rng.integers(1, max_tokens + 1))
+        cut = np.sort(rng.integers(0, budget + 1, len(live) - 1))
+        take = np.diff(np.concatenate([[0], cut, [budget]]))
+        tokens = {r: int(n) for r, n in zip(live, take)}
+        plan = m.plan_step(tokens)
+        meta = m.prepare_step(tokens, **pads)
+        # what this step needs, from its own plan
+        assert plan.num_tokens <= pads["min_tokens"] and plan.num_new_blocks <= pads["min_new_blocks"]
+        sizes.add((meta.num_tokens, meta.num_new_blocks, meta.num_resets))
+    assert sizes == {(pads["min_tokens"], pads["min_new_blocks"], pads["min_resets"])}
+    with pytest.raises(ValueError, match="max_tokens: expected an int >= 1"):
+        m.pad_sizes(0)
+
+
 def test_a_released_request_needs_no_count():
     cfg = CacheConfig.tiny(max_requests=2, max_context=512, num_blocks=8)
     m = CacheManager(cfg)
     a, b = m.admit(), m.admit()
-    m.prepare_step({a: 127, b: 3})
+    m.prepare_step({a: 127, b: 3}, speculative=True)
     m.release(b)
     m.commit_speculative({a: 100})
     assert m.length_of(a) == 100 and m.free_blocks == cfg.num_blocks - 1
@@ -171,7 +228,7 @@ def test_sharded_manager_commits_every_shard_or_none():
     m = ShardedCacheManager(cfg)
     a, b = m.admit(shard=0), m.admit(shard=1)
     m.prepare_step({a: 127, b: 128})
-    m.prepare_step({a: 3, b: 3})
+    m.prepare_step({a: 3, b: 3}, speculative=True)
     with pytest.raises(ValueError, match=r"accepted\[1\]"):
         m.commit_speculative({a: 2, b: 9})
     assert m.length_of(a) == 130                 # shard 0 unchanged too
@@ -193,7 +250,7 @@ def test_process_manager_commits_its_own_shards():
     m = ProcessCacheManager(cfg, mesh)
     a, b = m.admit(shard=0), m.admit(shard=1)
     m.prepare_step({a: 127, b: 10}, sizes=(256, 2, 2))
-    m.prepare_step({a: 3, b: 3}, sizes=(8, 2, 2))
+    m.prepare_step({a: 3, b: 3}, sizes=(8, 2, 2), speculative=True)
     with pytest.raises(KeyError):
         m.commit_speculative({a: 1, b: 1, "elsewhere": 1})
     assert m.length_of(a) == 130

@@ -51,7 +51,8 @@ def test_long_random_churn_keeps_every_block_accounted_for(monkeypatch):
                 # a step of 1 + k tokens, then a kept count per request: the
                 # blocks of the step holding no kept token go back
                 drafts = {r: int(rng.integers(0, 8)) for r in m.requests if rng.random() < 0.8}
-                m.prepare_step({r: 1 + k for r, k in drafts.items()}, device_put=False)
+                m.prepare_step({r: 1 + k for r, k in drafts.items()}, device_put=False,
+                               speculative=True)
                 before = {r: (m.length_of(r) - 1 - k, len(m.blocks_of(r)))
                           for r, k in drafts.items()}
                 kept = {r: int(rng.integers(0, 2 + k)) for r, k in drafts.items()}

@@ -315,3 +315,27 @@ def test_reset_errors_keeps_a_sharded_state_sharded():
     cleared = dj.reset_errors(state)
     assert cleared.errors.sharding == state.errors.sharding
     assert not np.asarray(cleared.errors).any()
+
+
+def test_an_eager_call_with_a_bad_operand_raises_before_any_donation_warning(monkeypatch):
+    """The ValueError alone: the warning that a call copies the pools is for
+    calls that run, not for ones refused at their checks."""
+    state, meta, kv = _tiny_step_inputs()
+    T = meta.num_tokens
+    f32 = lambda *s: jnp.ones(s, jnp.float32)
+    params = dj.CompressorParams(f32(128, 512), f32(512), f32(32))
+    calls = {
+        "append": lambda: dj.append(state, 0, meta, kv.astype(jnp.float32)),
+        "apply_step": lambda: dj.apply_step(state, "meta"),
+        "flush": lambda: dj.flush(state, 2, meta, f32(T, 512).astype(jnp.int32), f32(T, 512),
+                                  params),
+        "write_layer": lambda: dj.write_layer(state, 2, meta, kv, f32(T, 512),
+                                              f32(T, 512).astype(jnp.int32), params),
+    }
+    for name, call in calls.items():
+        monkeypatch.setattr(donation, "_warned", False)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError):
+                call()
+        assert not [w for w in seen if issubclass(w.category, dj.NotDonatedWarning)], name

@@ -287,3 +287,29 @@ def test_moves_with_bad_input_leave_manager_and_state_unchanged():
     with pytest.raises(dj.CacheFullError, match="request of 512 tokens needs 4 blocks, only 2 of 12"):
         full.admit_restored(512)
     assert manager_state(full) == was
+
+
+def test_resume_gives_a_preempted_request_its_id_back():
+    """An engine keys its requests by id: resume brings a preempted request
+    back under the id it left with (an int or any hashable), even when
+    others were admitted meanwhile; a copy `offload` took of a request that
+    stays admitted comes back as a new request; `request_id` overrides. The
+    cache it comes back with is the one it left (its snapshot and blocks)."""
+    cfg = CFG.replace(max_requests=6)
+    m = dj.CacheManager(cfg)
+    first, second, named = m.admit(), m.admit(), m.admit("req-a")
+    state = jax.jit(dj.apply_step, donate_argnums=0)(
+        random_state(cfg), m.prepare_step({first: 100, second: 200, named: 50}))
+    want = host(dj.snapshot(state, m.slot_of(second)))
+    parked = dj.preempt(state, m, second)
+    newcomer = m.admit()                      # takes second's slot
+    assert newcomer not in (first, second)
+    state, rid = dj.resume(state, m, parked)
+    assert rid == second and m.length_of(second) == 200
+    assert_trees_bytes_equal(host(dj.snapshot(state, m.slot_of(second))), want)
+    state, rid = dj.resume(state, m, dj.preempt(state, m, named))
+    assert rid == "req-a" and m.length_of("req-a") == 50
+    state, copy_id = dj.resume(state, m, dj.offload(state, m, first))
+    assert copy_id not in (first, second, newcomer, "req-a") and first in m.requests
+    state, rid = dj.resume(state, m, dj.preempt(state, m, second), "renamed")
+    assert rid == "renamed" and second not in m.requests

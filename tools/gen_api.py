@@ -42,9 +42,11 @@ SECTIONS = [
                          "read_request", "write_request", "RequestSnapshot", "RequestBlocks",
                          "RequestIds", "share_prefix", "admit_on_prefix", "offload", "preempt",
                          "resume", "OffloadedRequest", "export_request", "import_request"]),
-    ("Speculative steps", ["verify_begin", "verify_layer", "verify_commit", "VerifyStep"]),
+    ("Speculative steps", ["verify_begin", "verify_layer", "verify_commit", "accepted_counts",
+                           "VerifyStep"]),
     ("Compressor parameters", ["CompressorParams", "yarn_inv_freq"]),
-    ("Errors", ["check_errors", "reset_errors", "ErrorKind", "CacheInputError", "CacheFullError"]),
+    ("Errors", ["check_errors", "reset_errors", "ErrorKind", "ErrorOp", "CacheInputError",
+                "CacheFullError"]),
     ("Donation", ["check_donated", "NotDonatedWarning"]),
     ("Memory", ["memory_report", "memory.MemoryReport"]),
     ("Implementation choice", ["default_impl"]),
@@ -62,6 +64,37 @@ SECTIONS = [
                           "launch.run_processes", "launch.free_port"]),
 ]
 WIDTH = 96   # signatures longer than this go one parameter per line
+
+# The constants a caller sizes its operands with: (expression over the
+# package's modules, what it sizes). The values are evaluated, never typed.
+CONSTANTS_TITLE = "Constants"
+CONSTANTS = [
+    ("config.HEAD_DIM", "width of a KV entry: the last axis of `q`, `kv` (append, write_layer, "
+                        "verify rows), `chunk_kv` and attention's `out`"),
+    ("config.ROPE_DIM", "trailing channels of an entry that carry RoPE (`rope_inv_freq` has "
+                        "half as many frequencies)"),
+    ("config.NOPE_DIM", "leading channels of an entry without RoPE (stored as fp8 in ds_fp8 "
+                        "and fp8_token)"),
+    ("2 * config.HEAD_DIM", "CSA layers: width of `comp_kv`, `comp_score` (flush's `kv`, "
+                            "`score`): two overlapping halves"),
+    ("config.HEAD_DIM", "HCA layers: width of `comp_kv`, `comp_score`"),
+    ("2 * config.INDEX_DIM", "CSA layers: width of `index_kv`, `index_score`"),
+    ("config.INDEX_HEADS", "indexer heads: `q` of indexer_topk is `bf16[T, INDEX_HEADS, "
+                           "INDEX_DIM]`, its `weights` `f32[T, INDEX_HEADS]`"),
+    ("config.INDEX_DIM", "indexer key and query width"),
+    ("config.WINDOW", "sliding-window positions of every layer (a query at t sees "
+                      "t - WINDOW < p <= t)"),
+    ("config.CSA_RATIO", "tokens a CSA entry pools: a query at t sees (t + 1) // CSA_RATIO "
+                         "entries"),
+    ("config.HCA_RATIO", "tokens an HCA entry pools"),
+    ("config.BLOCK_TOKENS", "tokens of a paged block (the manager allocates a block per "
+                            "BLOCK_TOKENS a request holds; a prefix is a multiple of it)"),
+    ("config.CacheConfig.flash().index_topk", "V4-Flash's top-k (`config.index_topk`; "
+                                              "V4-Pro 1024): attention's `topk` columns"),
+    ("speculative.MAX_DRAFTS", "most drafts a request verifies in one speculative step "
+                               "(`verify_begin(drafts=...)`)"),
+    ("config.MAX_CONTEXT", "most tokens of one request (positions are int32)"),
+]
 
 
 # ---- signatures ------------------------------------------------------------------------------
@@ -270,6 +303,7 @@ def render() -> tuple[dict[str, str], list[str]]:
                f"## {title}"]
         out += [entry(n, missing) for n in names]
         pages[f"{PAGES}/{_slug(title)}.md"] = "\n\n".join(out).rstrip() + "\n"
+    pages[f"{PAGES}/{_slug(CONSTANTS_TITLE)}.md"] = constants_page()
     index = [
         _GENERATED, _TITLE,
         "Every public function and class of the package, with shapes and dtypes."
@@ -278,13 +312,31 @@ def render() -> tuple[dict[str, str], list[str]]:
         " `B` rows of a per-request read, `k` top-k. The design contract behind it is"
         " [`docs/design.md`](design.md).",
         "## Contents",
-        "\n".join(f"- [{t}]({PAGES}/{_slug(t)}.md): "
-                  + ", ".join(f"`{n.rpartition('.')[2]}`" for n in names)
-                  for t, names in sections),
+        "\n".join([f"- [{t}]({PAGES}/{_slug(t)}.md): "
+                   + ", ".join(f"`{n.rpartition('.')[2]}`" for n in names)
+                   for t, names in sections]
+                  + [f"- [{CONSTANTS_TITLE}]({PAGES}/{_slug(CONSTANTS_TITLE)}.md): the "
+                     f"operand widths and sizes of `dsv4_jax.config` and "
+                     f"`dsv4_jax.speculative`"]),
         "## Conventions",
         markdown(package.__doc__, level=3, skip_summary=True),
     ]
     return {INDEX: "\n\n".join(index).rstrip() + "\n", **pages}, missing
+
+
+def constants_page() -> str:
+    """The Constants page: each expression of CONSTANTS with its value."""
+    env = {name: importlib.import_module(f"{PACKAGE}.{name}") for name in ("config", "speculative")}
+    rows = ["| constant | value | sizes |", "|---|---|---|"]
+    for expr, meaning in CONSTANTS:
+        value = eval(expr, {"__builtins__": {}}, env)   # noqa: S307 (our own expressions)
+        rows.append(f"| `{expr}` | {value:,} | {_escape(meaning)} |")
+    out = [_GENERATED, _TITLE, f"Part of the reference: [conventions and contents](../{INDEX}).",
+           f"## {CONSTANTS_TITLE}",
+           "The sizes a caller shapes its operands with, as `dsv4_jax.config` and "
+           "`dsv4_jax.speculative` define them (`from dsv4_jax import config as C`).",
+           "\n".join(rows)]
+    return "\n\n".join(out) + "\n"
 
 
 def stale_pages(pages: dict[str, str]) -> list[str]:

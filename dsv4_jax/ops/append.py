@@ -3,7 +3,7 @@
 FFI target "dsv4_append" (operands in this order):
   attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128)
   args   layer i32[] (global index, -1 = bad), token_slot i32[T], token_pos i32[T],
-         kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[8],
+         kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[9],
          swa.kv.nope, swa.kv.rope[, swa.kv.scale]  (scale absent for bf16)
   rets   the aliased buffers, same order.
 Per token: slot -1 is padding; slot outside [0, R) -> BAD_SLOT; pos < 0 or
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
+from ..error_detail import ErrorOp, records_detail
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
@@ -52,6 +53,7 @@ def append_ffi_operands(state: CacheState):
     return [state.swa.pos, *jax.tree_util.tree_leaves(state.swa.kv)], rebuild
 
 
+@records_detail(ErrorOp.APPEND)
 def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
            impl: str = "auto") -> CacheState:
     """Write `kv: bf16[T, 512]` (normed and roped by the model) of the step's
@@ -69,8 +71,8 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     to fp8 for ds_fp8 and fp8_token). Dropped and counted: BAD_SLOT,
     BAD_POSITION (pos < 0 or >= max_context), NONFINITE (NaN or Inf in the
     row), BAD_LAYER."""
-    warn_if_eager(state, "append")
     check_append_args(state, meta, kv)
+    warn_if_eager(state, "append")      # after the checks: a bad call raises, no warning
     cfg = state.config
     if cfg.sharded:
         return per_shard(append, state, "state", layer=layer, rows=dict(meta=meta, kv=kv),

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 
 from .. import reference
+from ..error_detail import ErrorOp, records_detail
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
@@ -21,6 +22,7 @@ from ._shards import per_shard
 TARGET = "dsv4_apply_step"
 
 
+@records_detail(ErrorOp.APPLY_STEP, layer_arg=False)
 def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> CacheState:
     """Start a step: resets, then new blocks (later rows win), in place.
 
@@ -40,10 +42,10 @@ def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> Cach
     dropped and counted in `state.errors` (BAD_SLOT, BAD_BLOCK_ASSIGNMENT);
     -1 rows are padding."""
     check_state(state)
-    warn_if_eager(state, "apply_step")
     if not isinstance(meta, StepMeta):
         raise ValueError(f"meta: expected a StepMeta, got {type(meta).__name__}")
     meta.check(state.config)
+    warn_if_eager(state, "apply_step")  # after the checks: a bad call raises, no warning
     if state.config.sharded:   # per shard, with shard-local slots and block ids
         return per_shard(apply_step, state, "state", rows=dict(meta=meta), impl=impl)
     new_blocks, reset_slots = meta.new_blocks, meta.reset_slots

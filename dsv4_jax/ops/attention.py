@@ -18,7 +18,7 @@ FFI target "dsv4_attention" (the same operands on CPU and CUDA):
          token_slot i32[T], token_pos i32[T], topk i32[T, k] (k = 0 unless
          CSA), chunk_kv bf16[T or 0, 512] (0 rows: decode), sink f32[H],
          inv_freq f32[32 or 0] (0: no inverse RoPE), block_table i32[R, MB],
-         swa.pos i32[L, R, 128], errors i32[8], swa.kv entries, then the
+         swa.pos i32[L, R, 128], errors i32[9], swa.kv entries, then the
          kind's pool entries (csa.kv or hca.kv; none for SWA)
   rets   out bf16[T, H, 512], lse f32[T, H], errors (aliased to the errors
          argument when the state is returned), scratch u8[T * 1040 or 0]
@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import config as C
 from .. import reference
+from ..error_detail import ErrorOp, records_detail
 from ..state import CacheState, check_state
 from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
@@ -83,6 +84,7 @@ def _check(cfg, kind, q, token_slot, token_pos, sink, topk, chunk_kv, rope_inv_f
         check_array("rope_inv_freq", rope_inv_freq, (C.ROPE_DIM // 2,), jnp.float32)
 
 
+@records_detail(ErrorOp.ATTENTION, state_at=2)
 def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
               token_pos: jax.Array, *, sink: jax.Array, topk: jax.Array | None = None,
               chunk_kv: jax.Array | None = None, rope_inv_freq: jax.Array | None = None,
@@ -117,8 +119,12 @@ def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
     Per token and head: logits s_j = (q . v_j) * 512^-0.5 over the rows v_j
     seen (K = V); m = max(sink, s); out = bf16(sum_j bf16(e^(s_j - m)) v_j /
     (sum_j e^(s_j - m) + e^(sink - m))), then the inverse RoPE; lse = m +
-    log(denominator). Window: positions t-127..t. CSA: the picks (per index
-    BAD_INDEX if < -1 or not visible, MISSING_BLOCK). HCA: entries
+    log(denominator). Window: positions t-127..t (those >= 0); a ring row
+    holding another position than the one needed (below the chunk's first
+    position of the request, in a chunk) is STALE_WINDOW per (token, row),
+    not read: a chunk appended before its own reads, a gap or a rewind of
+    the request's positions. CSA: the picks (per index BAD_INDEX if < -1 or
+    not visible, MISSING_BLOCK). HCA: entries
     i < (t+1) // 128 (MISSING_BLOCK per missing one). Counted once per token
     and dropping it (out 0, lse -inf): BAD_SLOT, BAD_POSITION, NONFINITE (NaN
     or Inf in its q); BAD_LAYER for a bad traced layer or kind."""

@@ -12,14 +12,14 @@ FFI targets (operands in this order):
          block_table i32[R, MB],
          then the aliased: csa.comp f32[Lc, R, 2, 3, 512], csa.icomp f32[Lc, R, 2, 3, 128],
          csa.index.packed u8[Lc, N, 32, 64], csa.index.scale e8m0[Lc, N, 32, 4],
-         errors i32[8], csa.kv.nope, csa.kv.rope[, csa.kv.scale]
+         errors i32[9], csa.kv.nope, csa.kv.rope[, csa.kv.scale]
   rets   the aliased buffers, same order.
 "dsv4_flush_hca"
   attrs  kv_format, max_context
   args   layer i32[] (HCA index), token_slot, token_pos, kv f32[T, 512],
          score f32[T, 512], ape f32[128, 512], norm f32[512], inv_freq f32[32],
          block_table i32[R, MB],
-         then the aliased: hca.comp f32[Lh, R, 1, 3, 512], errors i32[8],
+         then the aliased: hca.comp f32[Lh, R, 1, 3, 512], errors i32[9],
          hca.kv.nope, hca.kv.rope[, hca.kv.scale]
   rets   the aliased buffers, same order.
 Expected positions: the k-th row of a request slot in the call (k = 0, 1,
@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
+from ..error_detail import ErrorOp, records_detail
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..donation import warn_if_eager
@@ -140,6 +141,7 @@ def flush_ffi_operands(state: CacheState, kind: str, kv, score, params, index_kv
     return inputs + [state.block_table], fixed + [state.errors, *entries], rebuild
 
 
+@records_detail(ErrorOp.FLUSH)
 def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Array,
           params: CompressorParams, *, index_kv: jax.Array | None = None,
           index_score: jax.Array | None = None, impl: str = "auto") -> CacheState:
@@ -170,9 +172,9 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
     contribution. Dropped and counted (the token is not folded): BAD_SLOT,
     BAD_POSITION, MISSING_BLOCK, NONFINITE (NaN or Inf in the token's rows),
     BAD_LAYER."""
-    warn_if_eager(state, "flush")
     kind, kv, score, index_kv, index_score = check_flush_args(
         state, layer, meta, kv, score, params, index_kv, index_score)
+    warn_if_eager(state, "flush")       # after the checks: a bad call raises, no warning
     cfg = state.config
     if cfg.sharded:   # rows of every per-token operand split by shard, params whole
         return per_shard(flush, state, "state", layer=layer,

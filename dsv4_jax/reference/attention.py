@@ -30,17 +30,23 @@ SCALE = float(np.float32(1.0 / math.sqrt(C.HEAD_DIM)))
 
 
 def _ring(state, layer, slot, pos, good, p0):
-    """Window rows of each token's ring: values [T, 128, 512] and seen mask."""
+    """Window rows of each token's ring: values [T, 128, 512], seen mask and
+    the STALE_WINDOW count. Ring row j of a query at t should hold w, the
+    position of (t - 128, t] that is j mod 128; it is needed when w >= 0 and
+    w comes before the call's own rows of the request (p0), and a needed row
+    holding anything else (-1 included) is stale: counted, not read."""
     cfg = state.config
     s = read_index(slot, cfg.max_requests)
     ring_pos = state.swa.pos[layer][s]                                     # [T, 128]
     entries = jax.tree_util.tree_map(lambda p: p[layer][s], state.swa.kv)
     kv = quant.dequantize_kv(entries, cfg.kv_format)
     t = pos[:, None]
-    seen = good[:, None] & (ring_pos >= 0) & (ring_pos <= t) & (ring_pos > t - C.WINDOW)
+    w = t - (t - jnp.arange(C.WINDOW, dtype=jnp.int32)[None, :]) % C.WINDOW
+    need = good[:, None] & (w >= 0)
     if p0 is not None:
-        seen = seen & (ring_pos < p0[s][:, None])
-    return kv, seen
+        need = need & (w < p0[s][:, None])
+    seen = need & (ring_pos == w)
+    return kv, seen, count(need & ~seen)
 
 
 def _chunk(cfg, chunk_kv, slot, pos, good, row_ok):
@@ -134,8 +140,9 @@ def attention(state: CacheState, kind: str, layer_idx, kind_idx, q, token_slot, 
     if chunk_kv is not None:
         stored, seen, p0 = _chunk(cfg, chunk_kv, token_slot, token_pos, good, row_ok)
         sources.append((stored, seen, "thd,rd->thr", "thr,rd->thd"))
-    ring, seen = _ring(state, layer, token_slot, token_pos, good, p0)
+    ring, seen, stale = _ring(state, layer, token_slot, token_pos, good, p0)
     sources.append((ring, seen, "thd,tsd->ths", "ths,tsd->thd"))
+    counts[ErrorKind.STALE_WINDOW] = stale
     if kind == C.CSA:
         kv, seen, c = _csa(state, kind_idx, token_slot, token_pos, good, topk)
         sources.append((kv, seen, "thd,tsd->ths", "ths,tsd->thd"))

@@ -9,7 +9,7 @@ steps; the writes donate the state (take back the state they return).
     key = share_prefix(state, manager, a)                # a holds 128*n tokens now
     state, b = admit_on_prefix(state, manager, key)      # b starts with a's prefix
     parked = preempt(state, manager, c)                  # c's cache to host memory
-    state, c = resume(state, manager, parked)            # back, other slot and blocks
+    state, c = resume(state, manager, parked)            # back as c, other slot and blocks
     arrays = export_request(state, manager, d)           # dict of numpy arrays
     state, d = import_request(other_state, other_manager, arrays)
 """
@@ -33,11 +33,14 @@ from .types import (RequestBlocks, RequestSnapshot, blocks_shapes, check_snapsho
 class OffloadedRequest:
     """A request's whole cache outside the cache: its per-slot state and the
     contents of its blocks (padded with zero blocks to a power of two, so
-    requests of similar length share compiled copies), and its length."""
+    requests of similar length share compiled copies), its length, and the
+    id it had when `preempt` released it (None for a copy `offload` took of
+    a request that stays admitted), which `resume` gives it back."""
     snapshot: RequestSnapshot
     blocks: RequestBlocks
     num_blocks: int          # real blocks: the first num_blocks of `blocks`
     length: int              # tokens, from the manager
+    request_id: Hashable | None = None
 
     @property
     def nbytes(self) -> int:
@@ -107,18 +110,21 @@ def offload(state, manager, request_id, *, memory_kind: str | None = "host") -> 
 
 def preempt(state, manager, request_id, *, memory_kind: str | None = "host") -> OffloadedRequest:
     """`offload`, then release the request: its slot and the blocks no one
-    else holds go back to the manager. `resume` brings it back."""
+    else holds go back to the manager. `resume` brings it back under the
+    same id."""
     parked = offload(state, manager, request_id, memory_kind=memory_kind)
     manager.release(request_id)
-    return parked
+    return dataclasses.replace(parked, request_id=request_id)
 
 
 def resume(state, manager, parked: OffloadedRequest, request_id: Hashable | None = None, *,
            slot: int | None = None, shard: int | None = None):
     """Bring an offloaded request back: a free slot (or `slot`) and fresh
     blocks from the manager, its block contents written into them and its
-    snapshot into the slot. Returns (state, request id). The cache is bit for
-    bit the one it left, moved to other blocks and maybe another slot."""
+    snapshot into the slot. Returns (state, request id): `request_id` if
+    given, else the id `preempt` took it from (`parked.request_id`; a new
+    id for a copy `offload` took). The cache is bit for bit the one it
+    left, moved to other blocks and maybe another slot."""
     if not isinstance(parked, OffloadedRequest):
         raise ValueError(f"parked: expected an OffloadedRequest, got {type(parked).__name__}")
     cfg = state.config.local()
@@ -134,6 +140,8 @@ def resume(state, manager, parked: OffloadedRequest, request_id: Hashable | None
                          f"{type(parked.blocks).__name__}")
     check_tree("parked.blocks", parked.blocks, blocks_shapes(cfg, padded_count))
     kw = {} if shard is None else {"shard": shard}
+    if request_id is None:
+        request_id = parked.request_id
     rid = manager.admit_restored(parked.length, request_id, slot=slot, **kw)
     ids = np.full(padded_count, -1, np.int32)
     ids[:parked.num_blocks] = manager.global_blocks(rid)

@@ -143,6 +143,64 @@ def test_bad_traced_layer_drops_every_token():
     assert errs(st) == {} and np.asarray(out, np.float32).any()
 
 
+def stale_counts(state, slot, pos, chunk_first=None):
+    """STALE_WINDOW by hand: per good query (s, p), the window positions
+    max(0, p - 127) .. p (below the chunk's first position of s, if any)
+    whose ring row does not hold them."""
+    ring = np.asarray(state.swa.pos)[0]
+    n = 0
+    for s, p in zip(slot, pos):
+        if s < 0:
+            continue
+        end = p + 1 if chunk_first is None else min(p + 1, chunk_first[s])
+        n += sum(int(ring[s, w % 128]) != w for w in range(max(0, p - 127), end))
+    return n
+
+
+@every_impl
+@pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
+def test_stale_window_rows_are_counted_and_not_read(kind):
+    """A window row a query needs that holds another position is counted
+    (STALE_WINDOW, one per row and query) and not read, the query attending
+    over the rest: a gap (position 110 after 100), a rewind (250 in a request
+    of 300: rows 123..171 hold 251..299), a chunk appended before its own
+    decode-style reads (positions 300..363 after their append: 63 + 62 + ...
+    stale rows), and a fresh slot read before its append. What is
+    legitimately absent counts nothing: positions before 0, the current
+    decode token, and a prefill chunk's own rows (chunk_kv)."""
+    rng = np.random.default_rng(11)
+    state = AO.random_state("ds_fp8", {0: 300, 1: 100, 3: 364}, seed=12)
+    H = 4
+    sink = rng.normal(0, 1, H).astype(np.float32)
+    # decode-style reads (no chunk_kv)
+    slot = np.int32([1, 0, 0, 2, 1, -1] + [3] * 64)
+    pos = np.int32([110, 250, 299, 0, 99, 0] + list(range(300, 364)))
+    topk = picks(rng, pos, 8) if kind == "csa" else None
+    out, lse, st = check(state, LAYER[kind], queries(rng, len(slot), H), slot, pos, sink, topk)
+    want = stale_counts(state, slot, pos)
+    assert want == 11 + 49 + 1 + 63 * 64 // 2
+    assert errs(st).get(EK.STALE_WINDOW) == want
+    # the legitimate reads alone count nothing
+    ok = slice(2, 3), slice(4, 5)
+    for rows in ok:
+        _, _, st = check(state, LAYER[kind], queries(rng, 1, H), slot[rows], pos[rows], sink,
+                         None if topk is None else topk[rows])
+        assert EK.STALE_WINDOW not in errs(st)
+    # a prefill chunk read before its append (the chunk recipe): slot 0
+    # continues at 300, slot 2 is fresh (its rows all come from chunk_kv)
+    slot = np.int32([0] * 40 + [2] * 20 + [-1] * 4)
+    pos = np.int32(list(range(300, 340)) + list(range(20)) + [0] * 4)
+    topk = picks(rng, pos, 8) if kind == "csa" else None
+    chunk = bf16(rng.standard_normal((len(slot), 512)))
+    _, _, st = check(state, LAYER[kind], queries(rng, len(slot), H), slot, pos, sink, topk, chunk)
+    assert EK.STALE_WINDOW not in errs(st)
+    # the same chunk starting at 280 (a rewind: rows 153..171 hold 281..299)
+    pos = np.int32(list(range(280, 320)) + list(range(20)) + [0] * 4)
+    _, _, st = check(state, LAYER[kind], queries(rng, len(slot), H), slot, pos, sink, topk, chunk)
+    want = stale_counts(state, slot, pos, chunk_first={0: 280, 2: 0})
+    assert want > 0 and errs(st).get(EK.STALE_WINDOW) == want
+
+
 # ---- prefill chunks ---------------------------------------------------------------------------
 def chunk_rows(rng, before: dict, sizes: dict, interleave=False):
     """Rows of one prefill call: request s continues at position before[s]
@@ -502,4 +560,13 @@ def test_bad_rows_act_as_padding(mode):
     got, want = errs(st), errs(pst)
     for kind, n in ((EK.BAD_SLOT, 3), (EK.BAD_POSITION, 3), (EK.NONFINITE, 3)):
         assert got.pop(kind) == n
-    assert got == want
+    # the padded call's stale window rows of the NaN queries, which the bad
+    # call drops before reading (in decode mode the chunk's queries read a
+    # ring the chunk is not in: their earlier positions' rows are stale; in
+    # a chunk, rows below a first position that was a padded row's)
+    first = None if chunk is None else {s: int(pos[pslot == s].min()) for s in (0, 1)}
+    nan_rows = stale_counts(state, slot[bad[6:]], pos[bad[6:]], first)
+    assert nan_rows > 0 or mode == "chunk"
+    if nan_rows:
+        want[EK.STALE_WINDOW] -= nan_rows
+    assert got == {k: v for k, v in want.items() if v}

@@ -113,7 +113,7 @@ def handler_scratch(impl, st, slot, pos, q, w, q_format):
                         [jax.ShapeDtypeStruct((T, 8), jnp.int32),
                          jax.ShapeDtypeStruct((T, E), jnp.uint32),
                          jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
-                         jax.ShapeDtypeStruct((8,), jnp.int32)], {6: 3},
+                         jax.ShapeDtypeStruct(st.errors.shape, jnp.int32)], {6: 3},
                         q_format=ATTR[q_format])
     args = jax.device_put((st, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q),
                            jnp.asarray(w)), jax.devices(impl)[0])

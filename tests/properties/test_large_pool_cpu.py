@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import _ffi
+from dsv4_jax.errors import NUM_ERROR_KINDS
 from dsv4_jax.ops._dispatch import ffi_call, ffi_in_place
 from dsv4_jax.state import E8M0, FP8
 from support.marks import available_host_gb
@@ -26,7 +27,7 @@ def flush_then_gather(num_blocks):
     block_table = jnp.array([[num_blocks - 1, -1]], jnp.int32)
     slots, pos = jnp.zeros(128, jnp.int32), jnp.arange(128, dtype=jnp.int32)
     comp = jnp.broadcast_to(jnp.array([-jnp.inf, 0, 0], jnp.float32)[:, None], (1, 1, 1, 3, 512))
-    errors = jnp.zeros(8, jnp.int32)
+    errors = jnp.zeros(NUM_ERROR_KINDS, jnp.int32)
     attrs = dict(kv_format=0, max_context=256)
 
     @jax.jit
@@ -47,7 +48,7 @@ def flush_then_gather(num_blocks):
         "dsv4_gather_all", [jnp.int32(0), jnp.array([0], jnp.int32), jnp.array([128], jnp.int32),
                             block_table, errors, nope, rope, scale],
         [jax.ShapeDtypeStruct((1, 1, 512), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32),
-         jax.ShapeDtypeStruct((8,), jnp.int32)], {4: 2}, **attrs)
+         jax.ShapeDtypeStruct((NUM_ERROR_KINDS,), jnp.int32)], {4: 2}, **attrs)
     assert int(count[0]) == 1 and int(errors.sum()) == 0
     row = np.asarray(out.astype(jnp.float32))[0, 0]
     # the bytes at the far end of the big leaf, read on the host

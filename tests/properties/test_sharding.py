@@ -6,6 +6,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from dsv4_jax import CacheConfig, CacheFullError, CacheManager, apply_step, init_state
+from dsv4_jax.errors import NUM_ERROR_KINDS
 from dsv4_jax.sharding import ShardedCacheManager, init_sharded_state, shard_config
 from support.inplace import assert_in_place, compiled_text
 from support.sharding import unshard
@@ -30,7 +31,7 @@ def test_sharded_apply_step_equals_unsharded_per_shard_and_stays_in_place():
     mesh = mesh_of(4)
     cfg = shard_config(CacheConfig.tiny(max_requests=8, num_blocks=32), mesh, "data")
     state = init_sharded_state(cfg, mesh)
-    assert state.errors.shape == (4 * 8,)
+    assert state.errors.shape == (4 * NUM_ERROR_KINDS,)
     manager = ShardedCacheManager(cfg)
     singles = [CacheManager(cfg.local(), shard=k) for k in range(4)]
     refs = [init_state(cfg.local()) for _ in range(4)]

@@ -264,8 +264,47 @@ def test_speculative_step_is_in_place(impl):
     state = dj.init_state(cfg)
     rng = np.random.default_rng(0)
     for kept in (2, 4):
-        meta = manager.prepare_step({a: 4})
+        meta = manager.prepare_step({a: 4}, speculative=True)
         acc = jnp.zeros((cfg.max_requests,), jnp.int32).at[manager.slot_of(a)].set(kept)
         state = assert_in_place(step, state, meta, step_inputs(cfg, meta.num_tokens, rng), acc)
         manager.commit_speculative({a: kept})
     dj.check_errors(state)
+
+
+# ---- accepted counts from draft matches ---------------------------------------------------------
+def test_accepted_counts_from_draft_matches_and_back_to_request_ids():
+    """accepted_counts on the device against a walk over each request's rows:
+    its first row is kept, then its drafts up to the first mismatch, at most
+    its verified rows (1 + drafts; a request with more rows keeps as many as
+    verified, verify_commit counting the excess); padding rows and rows of
+    requests without drafts read nothing. accepted_of maps the counts back to
+    the request ids commit_speculative takes."""
+    cfg = dj.CacheConfig.tiny(max_requests=6, max_context=512, num_blocks=24)
+    m = dj.CacheManager(cfg)
+    ids = [m.admit(name) for name in ("a", "b", "c", "d", "e")]
+    state = dj.init_state(cfg)
+    m.prepare_step({r: 40 + 7 * i for i, r in enumerate(ids)})
+    rng = np.random.default_rng(3)
+    drafts = 4
+    begin = jax.jit(lambda st, meta: dj.verify_begin(dj.apply_step(st, meta), meta, drafts=drafts))
+    count = jax.jit(dj.accepted_counts)
+    for trial in range(6):
+        tokens = {r: int(rng.integers(0, 1 + drafts + (r == "e"))) for r in ids}
+        meta = m.prepare_step(tokens, min_tokens=32, min_new_blocks=8, min_resets=8,
+                              speculative=True)
+        spec = begin(state, meta)
+        ok = rng.random(meta.num_tokens) < 0.7
+        got = np.asarray(count(spec, jnp.asarray(ok)))
+        want = np.zeros(cfg.max_requests, np.int32)
+        for r, n in tokens.items():
+            rows = range(m.token_rows(r).start, m.token_rows(r).stop)
+            kept = 0
+            for j, row in enumerate(list(rows)[:1 + drafts]):
+                if j > 0 and not ok[row]:
+                    break
+                kept += 1
+            want[m.slot_of(r)] = kept
+        np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}: {tokens}")
+        by_request = m.accepted_of(got)
+        assert by_request == {r: int(want[m.slot_of(r)]) for r, n in tokens.items() if n}
+        m.commit_speculative({r: min(a, tokens[r]) for r, a in by_request.items()})

@@ -101,10 +101,13 @@ def attention(state, layer: int, q, slot, pos, sink, topk=None, chunk_kv=None, i
             p0 = int(pos[mine].min())
             seen = mine[finite[mine] & (pos[mine] > p - WINDOW) & (pos[mine] <= p)]
             rows += list(chunk_rows[seen])
-        for j in range(WINDOW):
-            rp = int(ring_pos[s, j])
-            if rp >= 0 and p - WINDOW < rp <= p and (p0 is None or rp < p0):
-                rows.append(ring[s, j])
+        # every position of the window before the call's own rows must be in
+        # the ring: a row holding another position is stale, counted, unread
+        for w in range(max(0, p - WINDOW + 1), p + 1 if p0 is None else min(p + 1, p0)):
+            if int(ring_pos[s, w % WINDOW]) == w:
+                rows.append(ring[s, w % WINDOW])
+            else:
+                bump(EK.STALE_WINDOW)
         if kind == "csa":
             visible = min((p + 1) // 4, MB * 32)
             for i in np.asarray(topk)[t]:

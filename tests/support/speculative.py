@@ -42,7 +42,8 @@ class SpecDriver(Driver):
         before = {r: m.length_of(r) for r in drafts}
         tokens = {r: 1 + k for r, k in drafts.items()}
         with self.ctx():
-            meta = m.prepare_step(tokens, min_tokens=self.min_tokens, **self.pads)
+            meta = m.prepare_step(tokens, min_tokens=self.min_tokens, speculative=True,
+                                  **self.pads)
             inputs = self.inputs(meta, tokens, before)
             if poison is not None:
                 inputs = poison(inputs)

@@ -44,7 +44,8 @@ enum ErrorKind : int {
   kNonfinite = 5,
   kBadLayer = 6,
   kBadBlockAssignment = 7,
-  kNumErrorKinds = 8,
+  kStaleWindow = 8,
+  kNumErrorKinds = 9,
 };
 
 }  // namespace dsv4
