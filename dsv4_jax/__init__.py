@@ -115,10 +115,10 @@ from . import multiprocess
 from .config import CacheConfig
 from .donation import NotDonatedWarning, check_donated
 from .errors import CacheInputError, ErrorKind, check_errors, reset_errors
-from .manager import CacheFullError, CacheManager
+from .host.manager import CacheFullError, CacheManager
 from .memory import memory_report
 from .meta import StepMeta
-from .ops._dispatch import default_impl
+from .ops.dispatch import default_impl
 from .ops.append import append
 from .ops.attention import attention
 from .ops.apply_step import apply_step

@@ -20,9 +20,9 @@ imports through it:
 sharded_state.py    the device side: the sharded config, PartitionSpecs,
                     placement, run_sharded (the ops and the request moves run
                     per shard through it)
-sharded_manager.py  the host side: ShardedCacheManager, built on CacheManager
+host/sharded_manager.py  the host side: ShardedCacheManager, built on CacheManager
 """
-from .sharded_manager import ShardedCacheManager
+from .host.sharded_manager import ShardedCacheManager
 from .sharded_state import (init_sharded_state, run_sharded, shard_config, state_sharding,
                             state_specs)
 

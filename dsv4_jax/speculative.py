@@ -38,8 +38,8 @@ from . import config as C
 from .errors import ErrorKind
 from .meta import StepMeta
 from .ops import copy_rows
-from .ops._dispatch import check_array
-from .ops._shards import per_shard
+from .ops.dispatch import check_array
+from .ops.shards import per_shard
 from .ops.flush import flush
 from .ops.write_layer import compressor_operands_given
 from .params import CompressorParams

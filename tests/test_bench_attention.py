@@ -4,7 +4,7 @@ import json
 
 from bench_attention import main
 
-from dsv4_jax.bench.inputs import entry_bytes
+from dsv4_jax.app.bench.inputs import entry_bytes
 
 
 def test_quick_run_rows(tmp_path):

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dsv4_jax import memory_report
-from dsv4_jax.bench import device_timeline as timeline
+from dsv4_jax.app.bench import device_timeline as timeline
 import bench_request_state as bench
 from conftest import requires_cpu_ffi
 from support.marks import CUDA

@@ -9,7 +9,7 @@ import pytest
 
 import dsv4_jax as dj
 from dsv4_jax import CacheConfig, memory_report
-from dsv4_jax.cli import main
+from dsv4_jax.app.cli import main
 
 # Small enough for a 2-core CI machine: 2 requests, 3 prefill steps, 4 decode steps.
 SMALL = ["--plain", "--model", "tiny", "--requests", "2", "--context", "256", "--steps", "4",
@@ -195,7 +195,7 @@ def test_demo_layer_scan_equals_unrolled_layers():
     """The demo scans the repeating part of a layer pattern (traced layer
     index); the cache must come out byte for byte as with unrolled layers."""
     from support.trees import assert_trees_bytes_equal
-    from dsv4_jax import demo
+    from dsv4_jax.app import demo
     assert demo.layer_groups(CacheConfig.flash().layer_kinds) == (3, 2, 20)
     assert demo.layer_groups(CacheConfig.pro().layer_kinds) == (1, 2, 30)
     assert demo.layer_groups(CacheConfig.tiny().layer_kinds) == (4, 1, 0)
@@ -214,15 +214,15 @@ def test_demo_layer_scan_equals_unrolled_layers():
 def test_library_does_not_import_the_cli_extras():
     import subprocess
     import sys
-    code = ("import sys, dsv4_jax, dsv4_jax.workload; "
+    code = ("import sys, dsv4_jax, dsv4_jax.app.workload; "
             "bad = [m for m in ('rich', 'matplotlib', 'tqdm') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_plan_plain_fallback_without_rich(capsys, monkeypatch):
-    from dsv4_jax import _ui
-    monkeypatch.setattr(_ui, "_rich", lambda: False)      # as if rich were not installed
+    from dsv4_jax.app import ui
+    monkeypatch.setattr(ui, "_rich", lambda: False)      # as if rich were not installed
     code, out = run_cli(capsys, "plan", "--model", "pro", "--context", "4096", "--requests", "2")
     assert code == 0
     total = memory_report(CacheConfig.pro(max_requests=2, max_context=4096)).total

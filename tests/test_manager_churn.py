@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax import manager as manager_module
+from dsv4_jax.host import manager as manager_module
 from dsv4_jax.config import BLOCK_TOKENS
 from support.audit import audit
 

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax import _ffi, cli, config as C, demo, donation
-from dsv4_jax.cli import main
+from dsv4_jax import _ffi, config as C, donation
+from dsv4_jax.app import cli, demo
+from dsv4_jax.app.cli import main
 
 
 def run_cli(capsys, *argv):
@@ -136,7 +137,7 @@ def test_bench_ops_know_every_op(capsys):
     ops = "apply_step,write_layer,indexer_topk,attention"
     args = parser.parse_args(["bench", "--ops", ops])
     assert args.ops == ops.split(",")
-    from dsv4_jax.bench.options import OPS
+    from dsv4_jax.app.bench.options import OPS
     for op in ("apply_step", "append", "write_layer", "indexer_topk", "attention",
                "gather_window", "gather_topk", "gather_all"):
         assert op in OPS

@@ -53,7 +53,7 @@ SECTIONS = [
                   "sharding.state_sharding", "sharding.run_sharded"]),
     ("Across processes", ["multiprocess.ProcessCacheManager", "multiprocess.StepAbandoned",
                           "multiprocess.shard_processes", "errors.shard_error_counts",
-                          "launch.run_processes", "launch.free_port"]),
+                          "multiprocess.run_processes", "multiprocess.free_port"]),
 ]
 WIDTH = 96   # signatures longer than this go one parameter per line
 

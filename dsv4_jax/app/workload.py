@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import config as C
-from .params import CompressorParams, yarn_inv_freq
+from .. import config as C
+from ..params import CompressorParams, yarn_inv_freq
 
 F8 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu

@@ -27,9 +27,9 @@ from typing import Hashable, Mapping
 
 import numpy as np
 
-from .config import BLOCK_TOKENS, CacheConfig
-from .meta import StepMeta, bucket
-from .requests.types import check_snapshot
+from ..config import BLOCK_TOKENS, CacheConfig
+from ..meta import StepMeta, bucket
+from ..requests.types import check_snapshot
 
 
 class CacheFullError(RuntimeError):

@@ -31,9 +31,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .config import CacheConfig
+from ..config import CacheConfig
+from ..meta import StepMeta, bucket
 from .manager import CacheFullError, CacheManager
-from .meta import StepMeta, bucket
 
 
 def shard_processes(mesh: jax.sharding.Mesh, axis: str) -> list[int]:

@@ -12,10 +12,10 @@ from typing import Hashable, Mapping
 import jax
 import numpy as np
 
-from . import config as C
-from .config import CacheConfig
+from .. import config as C
+from ..config import CacheConfig
+from ..meta import StepMeta
 from .manager import CacheFullError, CacheManager
-from .meta import StepMeta
 
 
 class ShardedCacheManager:

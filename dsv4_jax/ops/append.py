@@ -24,9 +24,9 @@ from .. import reference
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
-from ._dispatch import check_array, ffi_in_place, resolve_impl
+from .dispatch import check_array, ffi_in_place, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 
 TARGET = "dsv4_append"
 

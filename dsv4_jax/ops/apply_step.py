@@ -15,8 +15,8 @@ from .. import reference
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
-from ._dispatch import ffi_in_place, resolve_impl
-from ._shards import per_shard
+from .dispatch import ffi_in_place, resolve_impl
+from .shards import per_shard
 
 TARGET = "dsv4_apply_step"
 

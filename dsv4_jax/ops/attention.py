@@ -37,9 +37,9 @@ import numpy as np
 from .. import config as C
 from .. import reference
 from ..state import CacheState, check_state
-from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
+from .dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 
 _I32 = jnp.int32
 KIND_CODE = {C.SWA: 0, C.CSA: 1, C.HCA: 2}

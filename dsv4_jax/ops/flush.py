@@ -52,9 +52,9 @@ from ..meta import StepMeta
 from ..params import CompressorParams
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
-from ._dispatch import check_array, ffi_in_place, resolve_impl
+from .dispatch import check_array, ffi_in_place, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 
 TARGETS = {C.CSA: "dsv4_flush_csa", C.HCA: "dsv4_flush_hca"}
 _FLOATS = (jnp.float32, jnp.bfloat16)

@@ -45,9 +45,9 @@ from .. import reference
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..state import CacheState
-from ._dispatch import ffi_in_place, resolve_impl
+from .dispatch import ffi_in_place, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 from .append import append, append_ffi_operands, check_append_args
 from .flush import check_flush_args, flush_ffi_operands
 

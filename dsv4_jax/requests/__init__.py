@@ -10,6 +10,6 @@ moves.py     the moves with the manager: prefix sharing, preemption and
              resume, export and import as numpy arrays
 
 Every public name is importable from `dsv4_jax`. This file imports none of
-them: the host manager (dsv4_jax/manager.py) takes `check_snapshot` from
+them: the host manager (dsv4_jax/host/manager.py) takes `check_snapshot` from
 types.py alone, and moves.py builds on that manager.
 """

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ops import copy_rows
-from ..ops._dispatch import resolve_impl
+from ..ops.dispatch import resolve_impl
 from ..sharded_state import run_sharded
 from ..state import CacheState
 from .types import RequestBlocks, RequestIds, RequestSnapshot, blocks_shapes, snapshot_shapes

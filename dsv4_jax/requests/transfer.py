@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import CacheConfig
-from ..ops._dispatch import auto_means
+from ..ops.dispatch import auto_means
 from ..state import CacheState, check_tree
 from .copies import BODIES, READS
 from .types import RequestBlocks, RequestIds, RequestSnapshot, blocks_shapes, check_snapshot

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4_jax.ops import _dispatch
+from dsv4_jax.ops import dispatch
 from dsv4_jax.ops import copy_rows as cr
 from support.inplace import check_in_place
 from support.marks import CUDA, cpu_target_built, requires_cpu_ffi
@@ -217,7 +217,7 @@ def _raw_take(impl, start, shape):
     device = jax.devices(impl)[0]
     x = jax.device_put(np.zeros((2, 3, 4), np.float32), device)
     ids = jax.device_put(np.zeros((2,), np.int32), device)
-    call = lambda i, leaf: _dispatch.ffi_call(      # noqa: E731
+    call = lambda i, leaf: dispatch.ffi_call(      # noqa: E731
         "dsv4_take_rows", [i, leaf], [jax.ShapeDtypeStruct(shape, jnp.float32)], {},
         row_axes=np.asarray([1], np.int64), id_starts=np.asarray([start], np.int64))
     return jax.block_until_ready(jax.jit(call)(ids, x))     # runs on the arrays' device

@@ -25,7 +25,7 @@ import pytest
 
 import dsv4_jax as D
 from dsv4_jax.errors import ErrorKind as K
-from dsv4_jax.workload import Flips, compare_states, layer_params
+from dsv4_jax.app.workload import Flips, compare_states, layer_params
 
 from support.flush_rule import check_flush
 from support.harness import (FlipStats, assert_accumulators_close, compare_index, compare_kv,

@@ -20,7 +20,7 @@ import pytest
 
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as EK
-from dsv4_jax.workload import Flips, compare_states
+from dsv4_jax.app.workload import Flips, compare_states
 from support.flush_plan import call_flush, call_write_layer, params, prefill_state, projections, rows
 from support.marks import CUDA
 from support.trees import assert_trees_bytes_equal

@@ -17,7 +17,7 @@ import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as K
 
-from dsv4_jax.workload import Flips, compare_states, layer_params
+from dsv4_jax.app.workload import Flips, compare_states, layer_params
 from support.workload import step_inputs
 from support.harness import poison
 from support.inplace import assert_in_place, compiled_text

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as K
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support import attention_oracle as AO
 from support.flush_rule import check_flush
 from support.trees import assert_trees_bytes_equal

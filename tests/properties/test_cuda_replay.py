@@ -23,7 +23,7 @@ import pytest
 import dsv4_jax as dj
 from dsv4_jax import CacheConfig, init_state
 from dsv4_jax import config as C
-from dsv4_jax.workload import Flips, compare_states, layer_params
+from dsv4_jax.app.workload import Flips, compare_states, layer_params
 from support.workload import (Schedule, assert_outputs_equal, read_step, step_inputs,
                               write_step)
 from support.inplace import assert_in_place

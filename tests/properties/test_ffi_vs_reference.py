@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import CacheConfig, init_state
-from dsv4_jax.workload import Flips, compare_states, layer_params
+from dsv4_jax.app.workload import Flips, compare_states, layer_params
 from support.workload import (Schedule, assert_outputs_equal, read_step, step_inputs,
                               write_step)
 from support.marks import CUDA, requires_cpu_ffi

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support.workload import step_inputs, write_step
 from support.inplace import assert_in_place
 

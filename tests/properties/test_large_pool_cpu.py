@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dsv4_jax import _ffi
-from dsv4_jax.ops._dispatch import ffi_call, ffi_in_place
+from dsv4_jax.ops.dispatch import ffi_call, ffi_in_place
 from dsv4_jax.state import E8M0, FP8
 from support.marks import available_host_gb
 

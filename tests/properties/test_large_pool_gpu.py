@@ -23,7 +23,7 @@ import dsv4_jax as dj
 from dsv4_jax import CacheConfig, init_state
 from dsv4_jax import config as C
 from dsv4_jax.state import E8M0
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support.workload import assert_outputs_equal, read_step, step_inputs, write_step
 from support.marks import CUDA, available_host_gb, requires_cpu_ffi
 

@@ -113,7 +113,7 @@ def test_sharded_workload_equals_each_shard_run_alone(n, explicit):
     collectives and keeps the pools in place. `explicit`: on a mesh of
     jax.make_mesh's default (Explicit) axis type, whose shard_map takes only
     operands already laid out as its specs say."""
-    from dsv4_jax.workload import layer_params
+    from dsv4_jax.app.workload import layer_params
     from support.workload import read_step, step_inputs, write_step
     mesh = mesh_of(n, explicit)
     cfg = shard_config(CacheConfig.tiny(max_requests=8, num_blocks=32), mesh, "data")

@@ -219,7 +219,7 @@ def test_verify_reads_equal_a_prefill_chunk_of_the_same_tokens(impl):
     step_both(x, chunk, pairs, [126, 61, 200])
 
     def chunk_step(state, meta, inputs):
-        from dsv4_jax.demo import compressor_operands
+        from dsv4_jax.app.demo import compressor_operands
         state = dj.apply_step(state, meta, impl=impl)
         outs = {}
         for layer, kind in enumerate(cfg.layer_kinds):
@@ -252,7 +252,7 @@ def test_speculative_step_is_in_place(impl):
     """The whole step (apply_step, verify, commit, write_layer) aliases every
     pool and copies none (docs/design.md §8): the copy of verify_begin is
     ordered before the verify writes through the metadata it returns."""
-    from dsv4_jax.workload import layer_params
+    from dsv4_jax.app.workload import layer_params
     from support.workload import speculative_step, step_inputs
     from support.inplace import assert_in_place
     cfg = dj.CacheConfig.tiny(max_requests=2, max_context=256)

@@ -2,7 +2,7 @@
 implementation (docs/design.md §12): the schedule (admissions, releases,
 chunk sizes, padding) and every input are drawn from a seed, so two
 implementations see exactly the same steps. Their caches are compared with
-dsv4_jax.workload.compare_states, their reads with `assert_outputs_equal`.
+dsv4_jax.app.workload.compare_states, their reads with `assert_outputs_equal`.
 """
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import config as C
-from dsv4_jax.manager import CacheFullError, CacheManager
+from dsv4_jax.host.manager import CacheFullError, CacheManager
 from dsv4_jax.ops.append import append
 from dsv4_jax.ops.apply_step import apply_step
 from dsv4_jax.ops.flush import flush
 from dsv4_jax.ops.gather import gather_all, gather_topk, gather_window
 from dsv4_jax.ops.write_layer import write_layer
-from dsv4_jax.demo import compressor_operands
+from dsv4_jax.app.demo import compressor_operands
 from dsv4_jax.speculative import verify_begin, verify_commit, verify_layer
 
 

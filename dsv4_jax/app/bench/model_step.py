@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax as dj
-from .. import config as C
-from ..params import yarn_inv_freq
+from ... import config as C
+from ...params import yarn_inv_freq
 from .device_timeline import kernel_events, kernel_sequence, split_steps, timeline_summary
 from .timing import time_it
 
