@@ -2,8 +2,8 @@
 
 types.py     RequestSnapshot, RequestBlocks, RequestIds: what moves, their
              shapes under a config, and the check that a snapshot fits one
-copies.py    each move's copies as traced code (copy_rows' FFI handlers, or
-             jnp slices and scatters; per shard when sharded)
+copies.py    each move's copies as traced code: one take_rows or put_rows
+             call (dsv4_jax/ops/copy_rows.py), per shard when sharded
 transfer.py  the moves on a CacheState: snapshot, restore, read / write
              blocks, read / write a whole request, as cached programs
 moves.py     the moves with the manager: prefix sharing, preemption and

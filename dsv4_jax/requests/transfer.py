@@ -18,10 +18,9 @@ donated by the writes: take back the state they return); called inside a
 trace it is inlined into the caller's program. Slots and block ids given as
 Python ints or numpy are checked and sent to the device with the call; a
 `RequestIds` (`request_ids`) is already there, so a move sends nothing. Every
-copy moves bits (requests/copies.py: one `copy_rows` call over every
-leaf where its FFI handlers are built, else jnp slices and scatters of the
-leaves' bits), so nothing is rounded, a -0 stays -0 and a NaN payload is
-kept.
+copy moves bits (requests/copies.py: one `take_rows` or `put_rows` call
+over every leaf it copies, per shard when sharded), so nothing is rounded, a
+-0 stays -0 and a NaN payload is kept.
 
 Sharded (docs/design.md §10), `slot` is the global slot
 (`ShardedCacheManager.global_slot`), block ids are global
