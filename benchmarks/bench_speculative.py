@@ -1,4 +1,4 @@
-"""Speculative steps on the GPU (docs/design.md §13): a V4-Flash verify +
+"""Speculative steps on the GPU (docs/design/speculative.md): a V4-Flash verify +
 commit step against a plain decode step's cache-and-attention work, and the
 commit alone per layer.
 

@@ -63,7 +63,7 @@ From the reads to attention:
 `attention(state, layer, q, meta.token_slot, meta.token_pos, sink=...,
 topk=..., chunk_kv=..., rope_inv_freq=...)` does everything below in one
 call, reading the entries straight from the pools (no dense copy);
-docs/design.md §6 gives its rows, rounding points and error bound. By
+docs/design/operations.md gives its rows, rounding points and error bound. By
 hand, with the gathers:
 
 DeepSeek-V4 attention has one 512-wide KV head that serves as key and value

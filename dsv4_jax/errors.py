@@ -1,4 +1,4 @@
-"""Run-time input errors (docs/design.md §9): counters carried in `state.errors`.
+"""Run-time input errors (docs/design/bad-input.md): counters carried in `state.errors`.
 
 Data-dependent bad input (a slot out of range, a missing block, ...) cannot
 raise inside a jitted step. Every op instead drops the offending token or row
@@ -71,7 +71,7 @@ def _nonzero(row) -> dict[ErrorKind, int]:
 def shard_error_counts(state_or_errors) -> dict[int, tuple[int, dict[ErrorKind, int]]]:
     """Per shard this process can read: shard -> (process holding it, its
     non-zero counters). Unsharded counters are shard 0. In a multi-process run
-    (docs/design.md §10) a process reads only the shards on its own devices;
+    (docs/design/sharding.md) a process reads only the shards on its own devices;
     the others' counters are theirs to check. Reads device data: host side
     only."""
     errors = getattr(state_or_errors, "errors", state_or_errors)

@@ -1,4 +1,4 @@
-"""Data-parallel sharding of the cache (docs/design.md §10).
+"""Data-parallel sharding of the cache (docs/design/sharding.md).
 
 The request axis R and the block axis N of every state leaf are split over one
 mesh axis; each shard owns its requests and its blocks (slots and block ids

@@ -1,5 +1,6 @@
 """CacheManager under a long random churn of admit / share / release / preempt /
-resume and speculative steps (docs/design.md §7, §13), host side: after every operation every
+resume and speculative steps (docs/design/host.md,
+docs/design/speculative.md), host side: after every operation every
 block is accounted for (free exactly when no request or prefix holds it, its
 count the number of holders), a step only allocates free blocks, and a step
 writes only blocks its request alone holds."""

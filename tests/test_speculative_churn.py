@@ -1,4 +1,4 @@
-"""Speculative steps under a long random run (docs/design.md §13): requests
+"""Speculative steps under a long random run (docs/design/speculative.md): requests
 admitted (fresh or on a cached prefix), released, prefilled and verified
 with 0 .. K drafts each step, keeping random counts. After every operation
 both managers pass the block and slot audit, hold the same lengths, blocks

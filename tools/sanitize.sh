@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the GPU kernel tests (docs/design.md §9): memcheck
+# compute-sanitizer over the GPU kernel tests (docs/design/bad-input.md): memcheck
 # over a subset of the `-m gpu` tests that runs every CUDA kernel (apply_step,
 # append, flush CSA and HCA, gather_window / topk / all, indexer_topk, the
 # numerics probe) in every kv format, bad rows included, then racecheck over

@@ -285,7 +285,7 @@ def compressor_operands(kind, x, p):
 
 def speculative_model_step(state: CacheState, meta: StepMeta, inputs, accepted, params,
                            impl: str, drafts: int, scan: bool = True):
-    """The cache work of one speculative decode step (docs/design.md §13):
+    """The cache work of one speculative decode step (docs/design/speculative.md):
     apply_step, verify_begin, per layer verify_layer and the gathers the
     drafts' attention reads (the ring before the step, top-k entries the
     drafts themselves may have closed, every HCA entry up to the drafts'

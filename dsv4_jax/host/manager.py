@@ -1,4 +1,4 @@
-"""Host-side bookkeeping (docs/design.md §7): request slots, physical blocks, and the
+"""Host-side bookkeeping (docs/design/host.md): request slots, physical blocks, and the
 step metadata. Plain Python, no device sync.
 
 A typical step::
@@ -16,7 +16,7 @@ goes back to the free list only when the last holder lets go. A request
 admitted on a prefix (`admit(prefix=...)`) shares the prefix's blocks, all of
 them full (a prefix is a multiple of 128 tokens), and only ever appends
 tokens after them, so no request writes a block another holds
-(docs/design.md §7, "Prefix sharing").
+(docs/design/host.md, "Prefix sharing").
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class CacheManager:
     hashable. Each step: `prepare_step({request: new tokens})` gives the
     StepMeta whose token rows the model fills (see "Token rows").
 
-    `shard` only labels error messages (one manager per shard, docs/design.md §10)."""
+    `shard` only labels error messages (one manager per shard, docs/design/sharding.md)."""
 
     def __init__(self, config: CacheConfig, *, shard: int | None = None):
         self.config = config
@@ -381,7 +381,7 @@ class CacheManager:
                               new_blocks=nb, reset_slots=resets, device_put=device_put)
 
 
-    # ---- speculative steps (docs/design.md §13) -----------------------------------------
+    # ---- speculative steps (docs/design/speculative.md) -----------------------------------------
     def check_speculative(self, accepted: Mapping[Hashable, int]) -> dict:
         """The checks of `commit_speculative`, changing nothing: {request:
         (start length, tokens kept, blocks held before the step)}; ValueError

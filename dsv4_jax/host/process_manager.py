@@ -1,4 +1,4 @@
-"""The sharded cache across processes (docs/design.md §10, "Across processes").
+"""The sharded cache across processes (docs/design/sharding.md, "Across processes").
 
 Under `jax.distributed` every process drives its own devices; the mesh spans
 the devices of every process and the state is a set of global arrays whose

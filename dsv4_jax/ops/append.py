@@ -1,4 +1,5 @@
-"""append: new tokens' KV into the sliding window of a layer (docs/design.md §3, §6).
+"""append: new tokens' KV into the sliding window of a layer
+(docs/design/semantics.md, docs/design/operations.md).
 
 FFI target "dsv4_append" (operands in this order):
   attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128)

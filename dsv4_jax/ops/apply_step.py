@@ -1,9 +1,9 @@
-"""apply_step: the first op of every step (docs/design.md §6).
+"""apply_step: the first op of every step (docs/design/operations.md).
 
 Resets the slots of newly admitted requests (block-table row, window
 positions, compressor accumulators) and writes the step's new block-table
 entries; every block handed out is scrubbed so its new owner can never read
-what the previous owner wrote (docs/design.md §7).
+what the previous owner wrote (docs/design/host.md).
 """
 from __future__ import annotations
 

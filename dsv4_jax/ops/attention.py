@@ -1,4 +1,4 @@
-"""DeepSeek-V4 attention straight from the cache (docs/design.md §6,
+"""DeepSeek-V4 attention straight from the cache (docs/design/operations.md,
 `attention`): each query token attends over its sliding window (the ring,
 plus the prefill chunk's own rows), the CSA entries its indexer picked or
 every visible HCA entry, and the per-head sink, with the entries

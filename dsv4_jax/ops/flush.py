@@ -1,6 +1,7 @@
 """flush: fold a step's compressor projections into the online-softmax
 accumulators of a CSA or HCA layer and write every entry the step closes
-(epilogue + quantization) into the paged pool (docs/design.md §3-§6).
+(epilogue + quantization) into the paged pool (docs/design/semantics.md,
+docs/design/formats.md, docs/design/state.md, docs/design/operations.md).
 
 FFI targets (operands in this order):
 "dsv4_flush_csa"

@@ -1,4 +1,4 @@
-"""Gathers: read cache entries back as dense BF16 for attention (docs/design.md §6).
+"""Gathers: read cache entries back as dense BF16 for attention (docs/design/operations.md).
 
 Each returns its outputs and then the state, whose `errors` counted the bad
 rows the gather dropped (the pools are untouched): thread that state on, as

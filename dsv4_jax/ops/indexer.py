@@ -1,5 +1,5 @@
 """The lightning indexer's top-k over the MXFP4 keys of a CSA layer
-(docs/design.md §3, §4, §6).
+(docs/design/semantics.md, docs/design/formats.md, docs/design/operations.md).
 
 indexer_topk(state, layer, token_slot[T], token_pos[T], q bf16[T, 64, 128],
              weights f32[T, 64], k) -> (indices i32[T, k], state)

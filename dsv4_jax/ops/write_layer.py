@@ -1,5 +1,5 @@
 """write_layer: the whole write path of one layer, append then flush, in one
-call: one FFI call, and on CUDA one kernel launch (docs/design.md §6).
+call: one FFI call, and on CUDA one kernel launch (docs/design/operations.md).
 
 A model calls, per layer, `append` and, on CSA and HCA layers, `flush`;
 `write_layer` does both. Append and flush write disjoint parts of the state

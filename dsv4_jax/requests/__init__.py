@@ -1,4 +1,4 @@
-"""A request's cache as values that move (docs/design.md §5, §7).
+"""A request's cache as values that move (docs/design/state.md, docs/design/host.md).
 
 types.py     RequestSnapshot, RequestBlocks, RequestIds: what moves, their
              shapes under a config, and the check that a snapshot fits one

@@ -1,4 +1,4 @@
-"""One request's cache as values that move (docs/design.md §5, "Request state
+"""One request's cache as values that move (docs/design/state.md, "Request state
 that moves"): the per-slot state outside the pages (`RequestSnapshot`: every
 layer's window and the compressor accumulators) and the contents of physical
 blocks (`RequestBlocks`), read out of a `CacheState` and written back into
@@ -22,7 +22,7 @@ copy moves bits (requests/copies.py: one `take_rows` or `put_rows` call
 over every leaf it copies, per shard when sharded), so nothing is rounded, a
 -0 stays -0 and a NaN payload is kept.
 
-Sharded (docs/design.md §10), `slot` is the global slot
+Sharded (docs/design/sharding.md), `slot` is the global slot
 (`ShardedCacheManager.global_slot`), block ids are global
 (`ShardedCacheManager.global_blocks`), `block_row` holds the owning shard's
 local ids as the block table does, and the calls run under

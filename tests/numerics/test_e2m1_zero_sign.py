@@ -1,4 +1,4 @@
-"""The sign of a zero e2m1 code (docs/design.md §4): the sign bit follows the
+"""The sign of a zero e2m1 code (docs/design/formats.md): the sign bit follows the
 input's, so -0 and a negative value that rounds to magnitude 0 give code 8,
 +0 and a positive one code 0 (the rounding of ml_dtypes' float4_e2m1fn and
 of the e2m1 conversion DeepSeek-V4's fp4_act_quant kernel casts with). Pinned

@@ -1,4 +1,4 @@
-"""attention (docs/design.md §6) on every implementation against the float64
+"""attention (docs/design/operations.md) on every implementation against the float64
 oracle (tests/support/attention_oracle.py) within the contract's bound
 2^-6 * M (M = the largest |value| among the rows a token sees): decode and
 prefill chunks, every KV format and layer kind, requests that see fewer

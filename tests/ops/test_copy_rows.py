@@ -184,7 +184,7 @@ def test_put_then_take_round_trips_every_row(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_put_rows_runs_in_place(impl):
     """The leaves alias the results: no copy of a leaf in the compiled call,
-    the same buffers after it (docs/design.md §8); the reference's scatters
+    the same buffers after it (docs/design/in-place.md); the reference's scatters
     too, which write the rows alone rather than the whole leaf."""
     leaves = [jnp.asarray(x) for x in random_leaves(4)]
     ids = jnp.asarray([3, 0], jnp.int32)

@@ -1,4 +1,4 @@
-"""flush's rule for dropped and out-of-order tokens (docs/design.md §3, "Order
+"""flush's rule for dropped and out-of-order tokens (docs/design/semantics.md, "Order
 of a request's tokens"), on every implementation, against the serial numpy
 model of support/flush_rule.py: each call's counts, accumulators, closed
 entries and untouched bytes. Cases: a dropped closing token in the middle of

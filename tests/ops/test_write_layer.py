@@ -150,8 +150,8 @@ def bad_rows(seed):
     slot 3 (no blocks), and NaN/Inf in the window row, the compressor row or
     both. Returns slot, pos, window kv, comp kv/score, index kv/score, and
     the counts the two calls make together on a CSA layer. A bad position
-    takes its request's next position (flush's expected one, docs/design.md
-    §3) and is never the request's first row, whose position sets the
+    takes its request's next position (flush's expected one,
+    docs/design/semantics.md) and is never the request's first row, whose position sets the
     expected ones; bad there, it would make all the request's rows bad."""
     rng = np.random.default_rng(seed)
     slot, pos = np.full(T, -1, np.int32), np.zeros(T, np.int32)

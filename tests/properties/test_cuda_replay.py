@@ -1,4 +1,5 @@
-"""The CUDA handlers over many steps (docs/design.md §8, §9, §12), on the GPU only.
+"""The CUDA handlers over many steps (docs/design/in-place.md,
+docs/design/bad-input.md, docs/design/testing.md), on the GPU only.
 
 * One jitted write step and one read step, each compiled once, replayed for
   1000 steps of changing metadata on a CSA + HCA cache (ds_fp8) against the

@@ -1,7 +1,7 @@
 """Every op through the FFI (CPU here, CUDA on the GPU machine) against the
 jnp reference on the same multi-request, multi-layer workload: pools
 byte-identical up to counted one-code flips, accumulators within rtol 1e-6,
-gathers byte-identical on identical input (docs/design.md §12)."""
+gathers byte-identical on identical input (docs/design/testing.md)."""
 import jax
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""docs/design.md §8 for a whole model step on every implementation: apply_step,
+"""docs/design/in-place.md for a whole model step on every implementation: apply_step,
 append on every layer and flush on every compressed layer, jitted with the
 state donated, at decode (one token) and prefill sizes. The compiled HLO
 aliases every pool and copies none; the buffers stay where they were.

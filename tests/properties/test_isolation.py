@@ -1,4 +1,4 @@
-"""Tenant isolation (docs/design.md §7): a released request's blocks go to the next
+"""Tenant isolation (docs/design/host.md): a released request's blocks go to the next
 request scrubbed; nothing the previous owner wrote is readable by it."""
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""docs/design.md §9: offsets are 64-bit. An HCA pool whose fp8 leaf is larger than
+"""docs/design/bad-input.md: offsets are 64-bit. An HCA pool whose fp8 leaf is larger than
 2^31 bytes: flush writes its last block and gather_all reads it back, equal to
 the same entry written into a 2-block pool. Needs ~6 GB of free memory."""
 import jax

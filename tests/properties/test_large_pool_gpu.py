@@ -1,4 +1,4 @@
-"""docs/design.md §9 on the GPU: offsets are 64-bit, a pool larger than 2^31 bytes works.
+"""docs/design/bad-input.md on the GPU: offsets are 64-bit, a pool larger than 2^31 bytes works.
 
 For each kind of pool (the SWA window ring, the CSA and the HCA block pools) a
 one-layer cache whose fp8 leaf is just over 2^31 bytes, with one request placed

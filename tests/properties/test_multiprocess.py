@@ -1,4 +1,4 @@
-"""The sharded cache across processes (docs/design.md §10, "Across
+"""The sharded cache across processes (docs/design/sharding.md, "Across
 processes"): two jax.distributed processes on this machine, each driving its
 own devices and its own shards' tables, against one process driving all of
 them. Every process runs tests/support/multiprocess_worker.py (a workload of

@@ -1,4 +1,4 @@
-"""Preemption and export (docs/design.md §7): a request moved to host
+"""Preemption and export (docs/design/host.md): a request moved to host
 memory mid-decode and brought back into another slot and other blocks, or
 exported as plain arrays and imported into another cache (another size, or
 sharded), reads back byte for byte as the same request never moved."""

@@ -1,4 +1,4 @@
-"""Prefix sharing (docs/design.md §7): a request admitted on a cached
+"""Prefix sharing (docs/design/host.md): a request admitted on a cached
 prefix of 128*n tokens and continued reads back byte for byte what the same
 request prefilled from scratch does (its snapshot, its blocks, every gather and
 indexer_topk), in every KV format, sharded and not; the prefix's shared blocks

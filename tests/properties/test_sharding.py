@@ -1,4 +1,4 @@
-"""Sharded serving (docs/design.md §10): every op per shard inside shard_map, no
+"""Sharded serving (docs/design/sharding.md): every op per shard inside shard_map, no
 collectives, in place; per-shard managers."""
 import jax
 import numpy as np

@@ -1,4 +1,4 @@
-"""Speculative steps (docs/design.md §13): after verify_commit and the kept
+"""Speculative steps (docs/design/speculative.md): after verify_commit and the kept
 rows' write_layer, every byte a request holds — its block-table row, window,
 accumulators and the pool entries of its blocks — and every read of it equal
 a twin cache fed only the kept tokens; the verify pass's indexer picks and
@@ -250,7 +250,7 @@ def test_verify_reads_equal_a_prefill_chunk_of_the_same_tokens(impl):
                                   pytest.param("cuda", marks=CUDA)])
 def test_speculative_step_is_in_place(impl):
     """The whole step (apply_step, verify, commit, write_layer) aliases every
-    pool and copies none (docs/design.md §8): the copy of verify_begin is
+    pool and copies none (docs/design/in-place.md): the copy of verify_begin is
     ordered before the verify writes through the metadata it returns."""
     from dsv4_jax.app.workload import layer_params
     from support.workload import speculative_step, step_inputs

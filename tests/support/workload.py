@@ -1,5 +1,5 @@
 """A multi-request, multi-layer workload run step by step through any
-implementation (docs/design.md §12): the schedule (admissions, releases,
+implementation (docs/design/testing.md): the schedule (admissions, releases,
 chunk sizes, padding) and every input are drawn from a seed, so two
 implementations see exactly the same steps. Their caches are compared with
 dsv4_jax.app.workload.compare_states, their reads with `assert_outputs_equal`.
@@ -54,7 +54,7 @@ def write_step(state, meta, inputs, params, impl):
 
 
 def speculative_step(state, meta, inputs, accepted, params, drafts, impl, read=None):
-    """The cache work of one speculative step (docs/design.md §13):
+    """The cache work of one speculative step (docs/design/speculative.md):
     apply_step, the verify pass's writes (verify_begin, verify_layer on every
     compressed layer), verify_commit with `accepted` (i32[R]), then
     write_layer of the kept rows on every layer. `read(state, layer, spec,
