@@ -12,6 +12,7 @@ from conftest import requires_cpu_ffi
 from support.marks import CUDA
 
 
+@pytest.mark.slow(reason="the request-move bench's whole run; test_request_state's moves stay")
 @requires_cpu_ffi
 def test_cli_run_reports_exact_round_trips(tmp_path, capsys):
     out = tmp_path / "rs.json"

@@ -106,6 +106,7 @@ def test_kernels_fall_into_op_families():
     assert family("input_reduce_fusion_Attention") == "other"     # not a dsv4 kernel
 
 
+@pytest.mark.slow(reason="the decode-step bench against the reference; its quick run stays")
 @requires_cpu_ffi
 def test_step_does_the_reference_work():
     """The CPU handlers' step equals the jnp reference's on a filled state

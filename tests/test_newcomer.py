@@ -69,6 +69,7 @@ def test_info_names_the_missing_module_and_its_fix(capsys, no_cpu_module):
     assert "  cuda: not loaded: dsv4_jax._dsv4_cuda is not built in" in out, out
 
 
+@pytest.mark.slow(reason="a whole demo; test_demo_passes_and_reports stays")
 def test_demo_with_impl_reference_says_what_it_checked(capsys, no_cpu_module):
     code, out, err = run_cli(capsys, "demo", "--plain", "--model", "tiny", "--requests", "1",
                              "--context", "64", "--steps", "2", "--chunk", "32",

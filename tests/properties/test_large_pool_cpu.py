@@ -55,6 +55,7 @@ def flush_then_gather(num_blocks):
     return row, tail
 
 
+@pytest.mark.slow(reason="a pool beyond 2 GiB needs about 6 GB of memory")
 def test_pool_beyond_2_gib():
     big_n = 2 ** 31 // 448 + 2           # the last entry starts past byte 2^31
     assert (big_n - 1) * 448 > 2 ** 31

@@ -107,6 +107,7 @@ def _rows(state, slot, blocks):
     return out
 
 
+@pytest.mark.slow(reason="a pool beyond 2 GiB on the GPU, as its CPU twin")
 @pytest.mark.parametrize("kind", [C.SWA, C.CSA, C.HCA])
 def test_pool_beyond_2_gib(kind):
     (big_cfg, (big_slot, big_blocks)), (small_cfg, (small_slot, small_blocks)) = _configs(kind)

@@ -61,6 +61,7 @@ def run_worker(out, num_processes, env):
     return reports
 
 
+@pytest.mark.slow(reason="two processes against one; the two-process example and README script stay")
 @pytest.mark.parametrize("platform", [
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         gpu_count() < 2, reason="needs 2 GPUs on one host")])])

@@ -72,6 +72,7 @@ def test_preempt_and_resume_equals_never_moved(memory_kind):
     dj.check_errors(moved.state)
 
 
+@pytest.mark.slow(reason="export and import into three caches; preempt and resume and sharded moves stay")
 def test_export_import_into_another_cache_and_a_sharded_one():
     """B exported after its prefill from cache X and imported into Y (other
     sizes, another slot) and into a sharded Z: each continues and equals B
