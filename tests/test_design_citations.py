@@ -1,8 +1,9 @@
 """Citations of the design contract: every `docs/design/<file>.md` named in
 the code, the tests and the documents exists, and so does every heading a
 citation names in quotes after it (`docs/design/host.md, "Prefix sharing"`);
-the design pages' links between themselves resolve; and nothing outside the
-C++ sources still cites the index by section number."""
+the design pages' links between themselves resolve; nothing outside the
+C++ sources still cites the index by section number; and the "adding an op"
+checklist names files that exist (for apply_step, an op in every tree)."""
 import pathlib
 import re
 
@@ -91,3 +92,11 @@ def test_citations_name_the_file_not_a_section_number():
                 for where, text in _texts() if not where.startswith(NUMBERED_ALLOWED)
                 for m in NUMBERED.finditer(text)]
     assert not numbered, numbered
+
+
+def test_adding_an_op_names_files_that_exist():
+    text = (ROOT / "docs" / "design" / "adding-an-op.md").read_text()
+    paths = [p.replace("<op>", "apply_step") for p in re.findall(r"`([\w./<>-]+/[\w.<>-]+\.\w+)`", text)]
+    assert len(paths) > 15, paths
+    missing = [p for p in paths if not (ROOT / p).is_file()]
+    assert not missing, missing
