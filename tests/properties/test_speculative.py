@@ -54,7 +54,8 @@ def spec_both(x, y, pairs, drafts, accepted):
 
 # ---- the twin ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("k", range(1, 8))
+@pytest.mark.parametrize("k", [k if k in (1, 4, 7) else pytest.param(k, marks=pytest.mark.slow(
+    reason="a draft count between the ends; k = 1, 4 and 7 stay")) for k in range(1, 8)])
 def test_commit_equals_a_cache_fed_only_the_kept_tokens(k, impl):
     """2 + k requests verify k drafts a step, each keeping a different count
     of 0 .. 1 + k (rotating over three steps), from lengths that put their
