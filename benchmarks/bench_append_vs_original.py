@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax as dj
-from dsv4_jax.arguments import output_path, sizes
-from dsv4_jax.bench.device_timeline import kernel_events
-from dsv4_jax.bench.timing import time_it
+from dsv4_jax.app.arguments import output_path, sizes
+from dsv4_jax.app.bench.device_timeline import kernel_events
+from dsv4_jax.app.bench.timing import time_it
 
 import append_original
 from append_original import BASE_POS, workload

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import config as C
-from dsv4_jax.arguments import output_path
-from dsv4_jax.bench.device_timeline import device_time
-from dsv4_jax.bench.filled_state import filled_state
-from dsv4_jax.bench.inputs import entry_bytes
-from dsv4_jax.bench.timing import BenchRun, Settings
+from dsv4_jax.app.arguments import output_path
+from dsv4_jax.app.bench.device_timeline import device_time
+from dsv4_jax.app.bench.filled_state import filled_state
+from dsv4_jax.app.bench.inputs import entry_bytes
+from dsv4_jax.app.bench.timing import BenchRun, Settings
 from dsv4_jax.config import CacheConfig
 from dsv4_jax.ops.attention import attention
 from dsv4_jax.ops.gather import gather_all, gather_topk, gather_window

@@ -1,5 +1,5 @@
 """The decode-step benchmark: a V4-Flash step as a model calls the library
-(dsv4_jax/bench/model_step.py: per layer write_layer, indexer_topk on CSA
+(dsv4_jax/app/bench/model_step.py: per layer write_layer, indexer_topk on CSA
 layers, attention with 64 heads, the sink and the inverse RoPE, the output
 folded into a carried h) on a full state (filled_state.py), per batch size
 and context: host ms a step and, on a GPU, from the device timeline, span,
@@ -32,10 +32,10 @@ import numpy as np
 
 import dsv4_jax as dj
 from dsv4_jax import config as C
-from dsv4_jax.arguments import input_path, output_path, sizes
-from dsv4_jax.bench.device_timeline import FAMILY_NAMES
-from dsv4_jax.bench.filled_state import filled_state
-from dsv4_jax.bench.model_step import HEADS, Variant, measure_step, step_inputs
+from dsv4_jax.app.arguments import input_path, output_path, sizes
+from dsv4_jax.app.bench.device_timeline import FAMILY_NAMES
+from dsv4_jax.app.bench.filled_state import filled_state
+from dsv4_jax.app.bench.model_step import HEADS, Variant, measure_step, step_inputs
 
 from device import memory_limit_bytes
 

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import CacheConfig, IndexerKeys, indexer_topk, init_state
-from dsv4_jax.bench.device_timeline import kernel_events, median_period_us
-from dsv4_jax.arguments import output_path
+from dsv4_jax.app.bench.device_timeline import kernel_events, median_period_us
+from dsv4_jax.app.arguments import output_path
 from device import copy_bandwidth
 
 KEY_BYTES = 68

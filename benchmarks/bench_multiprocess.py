@@ -1,7 +1,7 @@
 """The V4-Flash decode step on a sharded cache, driven by one process for
 all devices against one process per device under jax.distributed: ms a
 step at B requests per device. Both runs compile the same step
-(dsv4_jax/bench/model_step.py's default, every op per shard, no
+(dsv4_jax/app/bench/model_step.py's default, every op per shard, no
 collectives) on the same global state (filled_state.py's, per shard); the
 two should match within noise, since nothing crosses processes inside a
 step.
@@ -10,7 +10,7 @@ step.
     python benchmarks/bench_multiprocess.py --contexts 4k,64k --json mp.json
     python benchmarks/bench_multiprocess.py --quick              # CPU smoke run: 2 x 2 devices
 
-Without --process-id it starts the runs itself (dsv4_jax.launch): first one
+Without --process-id it starts the runs itself (dsv4_jax.multiprocess): first one
 process seeing every device, then one process per device (or per
 --per-process devices), each timing its own loop of steps; it prints ms a
 step of each process and the ratio of the slowest to the one-process run.
@@ -43,7 +43,7 @@ def sharded_inputs(cfg, mesh, B, context, seed):
     import numpy as np
     from jax.sharding import PartitionSpec as P
     import dsv4_jax as dj
-    from dsv4_jax.bench.model_step import step_inputs
+    from dsv4_jax.app.bench.model_step import step_inputs
     S = cfg.num_shards
     axis = cfg.shard_axis
     one = step_inputs(B, context, seed)
@@ -64,7 +64,7 @@ def sharded_filled_state(cfg, mesh, context, seed):
     permutation of its own blocks, created on the shards' devices."""
     import jax
     import numpy as np
-    from dsv4_jax.bench.filled_state import _filled
+    from dsv4_jax.app.bench.filled_state import _filled
     from dsv4_jax.sharding import state_sharding
     local = cfg.local()
     rng = np.random.default_rng(seed)
@@ -84,8 +84,8 @@ def run_one(args):
         jax.distributed.initialize(coordinator_address=args.coordinator,
                                    num_processes=args.processes, process_id=args.process_id)
     import dsv4_jax as dj
-    from dsv4_jax.bench.model_step import Variant, make_step
-    from dsv4_jax.bench.timing import time_it
+    from dsv4_jax.app.bench.model_step import Variant, make_step
+    from dsv4_jax.app.bench.timing import time_it
     from dsv4_jax.errors import shard_error_counts
     from dsv4_jax.sharding import shard_config
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
@@ -137,7 +137,7 @@ _CHILD = ("import runpy, sys, jax; a = sys.argv; "
 
 
 def _run(args, processes, per_process):
-    from dsv4_jax.launch import run_processes
+    from dsv4_jax.multiprocess import run_processes
 
     def command(i, address):
         return [sys.executable, "-c", _CHILD, address, str(processes), str(i),
@@ -160,7 +160,7 @@ def _run(args, processes, per_process):
 
 
 def main(argv=None):
-    from dsv4_jax.arguments import output_path, sizes
+    from dsv4_jax.app.arguments import output_path, sizes
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--platform", choices=PLATFORMS, help="cuda (default) or cpu")
     ap.add_argument("--devices", type=int, default=2, help="devices in all (default 2)")

@@ -55,10 +55,10 @@ import numpy as np
 
 import dsv4_jax as dj
 from dsv4_jax import config as C
-from dsv4_jax.arguments import input_path, output_path
-from dsv4_jax.bench.device_timeline import kernel_events, timeline_summary
-from dsv4_jax.bench.inputs import flush_params
-from dsv4_jax.bench.timing import BenchRun, Settings
+from dsv4_jax.app.arguments import input_path, output_path
+from dsv4_jax.app.bench.device_timeline import kernel_events, timeline_summary
+from dsv4_jax.app.bench.inputs import flush_params
+from dsv4_jax.app.bench.timing import BenchRun, Settings
 from dsv4_jax.config import PRESETS
 from dsv4_jax.errors import error_counts
 from dsv4_jax.meta import bucket

@@ -54,8 +54,8 @@ import numpy as np
 
 import dsv4_jax as dj
 from dsv4_jax import config as C
-from dsv4_jax.arguments import output_path
-from dsv4_jax.bench.device_timeline import device_time
+from dsv4_jax.app.arguments import output_path
+from dsv4_jax.app.bench.device_timeline import device_time
 from dsv4_jax.config import PRESETS
 from dsv4_jax.requests.moves import host_memory_kind
 from dsv4_jax.requests.transfer import read_request, request_ids, restore, snapshot, write_request

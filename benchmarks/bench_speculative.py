@@ -1,4 +1,4 @@
-"""Speculative steps on the GPU (docs/design.md §13): a V4-Flash verify +
+"""Speculative steps on the GPU (docs/design/speculative.md): a V4-Flash verify +
 commit step against a plain decode step's cache-and-attention work, and the
 commit alone per layer.
 
@@ -43,9 +43,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dsv4_jax as dj  # noqa: E402
-from dsv4_jax.arguments import output_path  # noqa: E402
-from dsv4_jax.bench.device_timeline import kernel_events, timeline_summary  # noqa: E402
-from dsv4_jax.bench.filled_state import filled_state  # noqa: E402
+from dsv4_jax.app.arguments import output_path  # noqa: E402
+from dsv4_jax.app.bench.device_timeline import kernel_events, timeline_summary  # noqa: E402
+from dsv4_jax.app.bench.filled_state import filled_state  # noqa: E402
 
 F32 = jnp.float32
 HEAD_DIM, INDEX_HEADS, INDEX_DIM = 512, 64, 128

@@ -8,7 +8,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.bench.device_timeline import kernel_events
+from dsv4_jax.app.bench.device_timeline import kernel_events
 
 
 def memory_limit_bytes():

@@ -28,11 +28,10 @@ namespace append_kernel {
 // all its threads load in one round (kGroup rows a load) before one barrier:
 // a token's search is one round of global loads for the whole call, and the
 // block's warps share the copy (from global memory, 128 rows a round, the
-// search took T/128 rounds of dependent loads, each warp its own: 3.90 µs at
-// 512 rows on an H200, against the original kernel's 3.26). A call of at most
-// kGlobalScanCall rows is searched in global memory instead: one round of
-// loads there, where the copy's round and barrier cost more (1 row 2.30
-// against 2.62 µs, 64 rows 2.46 against 2.78, on an H200).
+// search took T/128 rounds of dependent loads, each warp its own). A call of
+// at most kGlobalScanCall rows is searched in global memory instead: one round
+// of loads there, where the copy's round and barrier cost more. Both measured:
+// docs/perf/decode-step.md, "Ideas tried".
 
 // The staged copy: `slot` (-1 for a row dropped by its slot or position) and
 // `pos`, `groups` groups of kGroup rows each.

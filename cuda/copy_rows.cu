@@ -6,9 +6,9 @@
 // 32 lanes x kVecsPerLane vectors and the pieces of all segments are numbered
 // one after another. Warp w copies pieces w, w + warps, ...; the host passes
 // where each segment's pieces begin, so a warp finds a piece's segment by
-// comparisons, without a division (walking the table with a 64-bit modulo
-// per segment cost a slot move about 2.5 us). Small leaves and leaves of
-// short rows (a 7-byte scale row) spread over the warps like the big ones. A
+// comparisons, without a division (a 64-bit modulo per segment walked cost a
+// slot move more than its copy: docs/perf/request-state.md). Small leaves and
+// leaves of short rows (a 7-byte scale row) spread over the warps like the big ones. A
 // lane finds each of its vectors' row (two 32-bit divisions) and issues all
 // its loads before its stores. The grid is one wave of the blocks a
 // multiprocessor is guaranteed to hold (the launch bounds), sized down to the

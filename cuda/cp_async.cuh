@@ -1,4 +1,4 @@
-// cp.async (sm_80 and later): 16- or 4-byte copies from global to shared
+// cp.async (sm_80 and later): 16-byte copies from global to shared
 // memory that a thread issues now and waits for later, by commit group. The
 // attention kernel stages its raw rows and q with them, indexer_topk its key
 // tiles.
@@ -25,13 +25,6 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
 __device__ __forceinline__ void CpAsync16(uint32_t smem, const void* gmem, uint64_t policy) {
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem),
                "l"(gmem), "l"(policy) : "memory");
-}
-
-// The 4-byte word at `gmem` (aligned), of which only `bytes` (1..4) are read;
-// the rest of the shared word is zero.
-__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem, int bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(SharedAddress(smem)),
-               "l"(gmem), "r"(bytes) : "memory");
 }
 
 // Closes this thread's group of copies issued since the last commit.

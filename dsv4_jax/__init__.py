@@ -50,7 +50,7 @@ request's positions. The chunk recipe serves decode rows too (a chunk of
 one), so a step mixing prompt chunks and decode tokens takes it; a step
 of decode tokens alone may take either (the decode recipe reads no
 chunk rows). examples/serving_engine.py runs all three in a
-continuous-batching engine, docs/design.md §13 gives the speculative
+continuous-batching engine, docs/design/speculative.md gives the speculative
 step's contract.
 
 Threading the state:
@@ -107,7 +107,7 @@ From the reads to attention:
 `attention(state, layer, q, meta.token_slot, meta.token_pos, sink=...,
 topk=..., chunk_kv=..., rope_inv_freq=...)` does everything below in one
 call, reading the entries straight from the pools (no dense copy);
-docs/design.md §6 gives its rows, rounding points and error bound. By
+docs/design/operations.md gives its rows, rounding points and error bound. By
 hand, with the gathers:
 
 DeepSeek-V4 attention has one 512-wide KV head that serves as key and value
@@ -160,10 +160,10 @@ from .config import CacheConfig
 from .donation import NotDonatedWarning, check_donated
 from .error_detail import ErrorOp
 from .errors import CacheInputError, ErrorKind, check_errors, reset_errors
-from .manager import CacheFullError, CacheManager
+from .host.manager import CacheFullError, CacheManager
 from .memory import memory_report
 from .meta import StepMeta
-from .ops._dispatch import default_impl
+from .ops.dispatch import default_impl
 from .ops.append import append
 from .ops.attention import attention
 from .ops.apply_step import apply_step

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-# --- DSV4 attention geometry (docs/design.md §2); identical for V4-Flash and V4-Pro ---
+# --- DSV4 attention geometry (docs/design/overview.md); identical for V4-Flash and V4-Pro ---
 HEAD_DIM = 512          # entry width d
 ROPE_DIM = 64           # trailing RoPE channels of an entry
 NOPE_DIM = HEAD_DIM - ROPE_DIM   # 448 channels stored as fp8

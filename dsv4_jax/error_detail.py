@@ -1,4 +1,4 @@
-"""Where the first bad input of each kind was counted (docs/design.md §9):
+"""Where the first bad input of each kind was counted (docs/design/bad-input.md):
 the op and the layer, kept in `state.errors` beside the counters when the
 config asks for it (`CacheConfig(error_detail=True)`), shown by
 `check_errors`.
@@ -23,32 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .errors import NUM_ERROR_KINDS
+from .error_ops import ErrorOp
+from .errors import DETAIL_FIELDS, NUM_ERROR_KINDS, errors_row
 
-DETAIL_FIELDS = 2            # op, layer
-
-
-class ErrorOp(enum.IntEnum):
-    """The op recorded with a kind's first count (0: none yet)."""
-    APPLY_STEP = 1
-    APPEND = 2
-    FLUSH = 3
-    WRITE_LAYER = 4
-    INDEXER_TOPK = 5
-    ATTENTION = 6
-    GATHER_WINDOW = 7
-    GATHER_TOPK = 8
-    GATHER_ALL = 9
-    VERIFY_COMMIT = 10
-
-
-# what `check_errors` and the API reference say each op is
-_DESCRIPTIONS = {op: f"`dsv4_jax.{op.name.lower()}`" for op in ErrorOp}
-
-
-def errors_row(config) -> int:
-    """int32s of one shard's row of `state.errors`."""
-    return NUM_ERROR_KINDS * (1 + DETAIL_FIELDS if config.error_detail else 1)
+__all__ = ["ErrorOp", "records_detail", "errors_row", "DETAIL_FIELDS"]
 
 
 def records_detail(op: ErrorOp, *, layer_arg: bool = True, state_at=None):

@@ -1,4 +1,4 @@
-"""Run-time input errors (docs/design.md §9): counters carried in `state.errors`.
+"""Run-time input errors (docs/design/bad-input.md): counters carried in `state.errors`.
 
 Data-dependent bad input (a slot out of range, a missing block, ...) cannot
 raise inside a jitted step. Every op instead drops the offending token or row
@@ -13,6 +13,8 @@ import enum
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .error_ops import ErrorOp
 
 
 class ErrorKind(enum.IntEnum):
@@ -30,6 +32,13 @@ class ErrorKind(enum.IntEnum):
 
 
 NUM_ERROR_KINDS = len(ErrorKind)
+DETAIL_FIELDS = 2            # with error detail, per kind: the op and the layer that counted it first
+
+
+def errors_row(config) -> int:
+    """int32s of one shard's row of `state.errors`."""
+    return NUM_ERROR_KINDS * (1 + DETAIL_FIELDS if config.error_detail else 1)
+
 
 _DESCRIPTIONS = {
     ErrorKind.BAD_SLOT: "request slot outside [0, max_requests)",
@@ -91,7 +100,6 @@ def _row_length(state_or_errors) -> int:
     config = getattr(state_or_errors, "config", None)
     if config is None:
         return NUM_ERROR_KINDS
-    from .error_detail import errors_row
     return errors_row(config)
 
 
@@ -117,7 +125,6 @@ def _first_records(state_or_errors, rows) -> dict:
     config = getattr(state_or_errors, "config", None)
     if config is None or not config.error_detail:
         return {}
-    from .error_detail import ErrorOp
     K = NUM_ERROR_KINDS
     out = {}
     for shard, (_, row) in sorted(rows.items()):
@@ -132,7 +139,7 @@ def _first_records(state_or_errors, rows) -> dict:
 def shard_error_counts(state_or_errors) -> dict[int, tuple[int, dict[ErrorKind, int]]]:
     """Per shard this process can read: shard -> (process holding it, its
     non-zero counters). Unsharded counters are shard 0. In a multi-process run
-    (docs/design.md §10) a process reads only the shards on its own devices;
+    (docs/design/sharding.md) a process reads only the shards on its own devices;
     the others' counters are theirs to check. Reads device data: host side
     only."""
     rows = _shard_rows(state_or_errors)

@@ -22,7 +22,7 @@ def bucket(n: int, minimum: int = 1) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepMeta:
-    """Packed int32 step metadata (docs/design.md §7). Sizes are static.
+    """Packed int32 step metadata (docs/design/host.md). Sizes are static.
 
     token_slot  i32[T]      request slot of each token, -1 = padding (ignored)
     token_pos   i32[T]      absolute position of each token in its request

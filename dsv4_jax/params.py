@@ -15,7 +15,7 @@ from . import config as C
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CompressorParams:
-    """One compressor's parameters (docs/design.md §3).
+    """One compressor's parameters (docs/design/semantics.md).
 
     ape:      f32[m, coff*d]  position bias added to the score at pos mod m
     norm:     f32[d]          RMSNorm weight

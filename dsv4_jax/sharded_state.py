@@ -1,8 +1,8 @@
-"""A state split over a mesh axis, on the device side (docs/design.md §10):
+"""A state split over a mesh axis, on the device side (docs/design/sharding.md):
 the sharded config, each leaf's PartitionSpec and placement, and running an
 op's single-device implementation per shard inside `jax.shard_map` (no
 collectives, aliasing kept). The host's bookkeeping of the shards is
-`ShardedCacheManager` (dsv4_jax/sharded_manager.py).
+`ShardedCacheManager` (dsv4_jax/host/sharded_manager.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Data-parallel sharding of the cache (docs/design.md §10).
+"""Data-parallel sharding of the cache (docs/design/sharding.md).
 
 The request axis R and the block axis N of every state leaf are split over one
 mesh axis; each shard owns its requests and its blocks (slots and block ids
@@ -20,9 +20,9 @@ imports through it:
 sharded_state.py    the device side: the sharded config, PartitionSpecs,
                     placement, run_sharded (the ops and the request moves run
                     per shard through it)
-sharded_manager.py  the host side: ShardedCacheManager, built on CacheManager
+host/sharded_manager.py  the host side: ShardedCacheManager, built on CacheManager
 """
-from .sharded_manager import ShardedCacheManager
+from .host.sharded_manager import ShardedCacheManager
 from .sharded_state import (init_sharded_state, run_sharded, shard_config, state_sharding,
                             state_specs)
 

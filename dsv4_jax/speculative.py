@@ -1,4 +1,4 @@
-"""Speculative steps (docs/design.md §13): verify a request's next token and
+"""Speculative steps (docs/design/speculative.md): verify a request's next token and
 its drafts as one prefill chunk, then keep a prefix of them, leaving the
 cache byte for byte what a cache fed only the kept tokens holds.
 
@@ -40,8 +40,8 @@ from .error_detail import ErrorOp, records_detail
 from .errors import ErrorKind
 from .meta import StepMeta
 from .ops import copy_rows
-from .ops._dispatch import check_array
-from .ops._shards import per_shard
+from .ops.dispatch import check_array
+from .ops.shards import per_shard
 from .ops.flush import flush
 from .ops.write_layer import compressor_operands_given
 from .params import CompressorParams
@@ -111,7 +111,7 @@ def _covered(count, U: int):
 
 def _blocks(cfg, block_table, slots, count, first, drafts: int):
     """i32[2U]: per copied slot the blocks of the first and the last position
-    its verified rows gate (flush's [f, L], docs/design.md §3), -1 where there
+    its verified rows gate (flush's [f, L], docs/design/semantics.md), -1 where there
     is none, the second -1 where it is the first's; ids outside [0, N) -1."""
     N, MB = cfg.num_blocks, cfg.max_blocks_per_request
     s = jnp.clip(slots, 0, cfg.max_requests - 1)

@@ -1,4 +1,4 @@
-"""The cache state: pytrees of device arrays, laid out as in docs/design.md §5.
+"""The cache state: pytrees of device arrays, laid out as in docs/design/state.md.
 
 Arrays are data fields; the `CacheConfig` is a static field. Pools are stacked
 per layer kind (leading axis = index of the layer among layers of its kind) so
@@ -34,7 +34,7 @@ def pytree_dataclass(cls=None, *, static=()):
 
 @pytree_dataclass
 class KVEntries:
-    """Entries of width 512 in one of the three KV formats (docs/design.md §4).
+    """Entries of width 512 in one of the three KV formats (docs/design/formats.md).
 
     ds_fp8:    nope f8e4m3[..., 448], rope bf16[..., 64], scale e8m0[..., 7]
     fp8_token: nope f8e4m3[..., 448], rope bf16[..., 64], scale f32[..., 1]

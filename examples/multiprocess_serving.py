@@ -7,7 +7,7 @@ serves the requests routed to it. One jitted step runs on every process.
     python examples/multiprocess_serving.py --processes 4 --devices 1
 
 Without --process-id it starts the processes itself on this machine
-(dsv4_jax.launch: a free port for the coordinator, each child told its id,
+(dsv4_jax.multiprocess: a free port for the coordinator, each child told its id,
 the devices it sees set in its environment) and prints their output. On
 several hosts start one per host (or per GPU) yourself with the same three
 things jax.distributed needs:
@@ -100,7 +100,7 @@ def serve(args):
 
 
 def launch(args):
-    from dsv4_jax.launch import run_processes
+    from dsv4_jax.multiprocess import run_processes
 
     def command(i, address):
         return [sys.executable, os.path.abspath(__file__), "--processes", str(args.processes),

@@ -2,11 +2,14 @@
 gives a row with its time, bytes, rates and the baseline of the same work."""
 import json
 
+import pytest
+
 from bench_attention import main
 
-from dsv4_jax.bench.inputs import entry_bytes
+from dsv4_jax.app.bench.inputs import entry_bytes
 
 
+@pytest.mark.slow(reason="the attention bench's whole quick run; the bench command on two ops stays")
 def test_quick_run_rows(tmp_path):
     out = tmp_path / "attention.json"
     assert main(["--quick", "--reps", "1", "--json", str(out)]) == 0
@@ -22,6 +25,7 @@ def test_quick_run_rows(tmp_path):
     assert any(r["op"] == "copy" and r["gbps"] > 0 for r in rows)
 
 
+@pytest.mark.slow(reason="the bench's quick run on bf16 pools; the ds_fp8 run stays")
 def test_quick_run_bf16_pools(tmp_path):
     """--kv-format bf16: the same cases on bf16 pools, their bytes counted at
     a bf16 entry's size, the baseline still the same attention."""

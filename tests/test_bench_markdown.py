@@ -1,8 +1,8 @@
-"""benchmarks/run.py --markdown (dsv4_jax.bench.suite): a saved run's rows as
+"""benchmarks/run.py --markdown (dsv4_jax.app.bench.suite): a saved run's rows as
 the tables of docs/perf/ops.md."""
 import json
 
-from dsv4_jax.bench.suite import main
+from dsv4_jax.app.bench.suite import main
 
 
 def test_markdown_tables_from_saved_rows(tmp_path, capsys):

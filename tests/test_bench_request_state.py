@@ -6,12 +6,13 @@ import json
 import pytest
 
 from dsv4_jax import memory_report
-from dsv4_jax.bench import device_timeline as timeline
+from dsv4_jax.app.bench import device_timeline as timeline
 import bench_request_state as bench
 from conftest import requires_cpu_ffi
 from support.marks import CUDA
 
 
+@pytest.mark.slow(reason="the request-move bench's whole run; test_request_state's moves stay")
 @requires_cpu_ffi
 def test_cli_run_reports_exact_round_trips(tmp_path, capsys):
     out = tmp_path / "rs.json"

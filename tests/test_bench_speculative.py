@@ -5,9 +5,12 @@ import importlib.util
 import json
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow(reason="the speculative bench's whole quick run; test_speculative's steps stay")
 def test_quick_run_rows(tmp_path):
     spec = importlib.util.spec_from_file_location(
         "bench_speculative", ROOT / "benchmarks" / "bench_speculative.py")

@@ -1,4 +1,4 @@
-"""The decode-step benchmark (dsv4_jax/bench/model_step.py and
+"""The decode-step benchmark (dsv4_jax/app/bench/model_step.py and
 benchmarks/bench_decode_step.py) runs end to end on the CPU and reports its
 fields; its step does the same work as the jnp reference; its timeline
 summary counts and classifies what it is given."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax.bench import device_timeline, filled_state, model_step as bs
+from dsv4_jax.app.bench import device_timeline, filled_state, model_step as bs
 from dsv4_jax import config as C
 from conftest import requires_cpu_ffi
 
@@ -106,6 +106,7 @@ def test_kernels_fall_into_op_families():
     assert family("input_reduce_fusion_Attention") == "other"     # not a dsv4 kernel
 
 
+@pytest.mark.slow(reason="the decode-step bench against the reference; its quick run stays")
 @requires_cpu_ffi
 def test_step_does_the_reference_work():
     """The CPU handlers' step equals the jnp reference's on a filled state

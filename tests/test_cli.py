@@ -9,7 +9,7 @@ import pytest
 
 import dsv4_jax as dj
 from dsv4_jax import CacheConfig, memory_report
-from dsv4_jax.cli import main
+from dsv4_jax.app.cli import main
 
 # Small enough for a 2-core CI machine: 2 requests, 3 prefill steps, 4 decode steps.
 SMALL = ["--plain", "--model", "tiny", "--requests", "2", "--context", "256", "--steps", "4",
@@ -38,6 +38,7 @@ def test_demo_passes_and_reports(capsys):
     assert re.search(rf"HCA entries emitted \(all HCA layers\)\s+{hca:,}$", out, re.M), out
 
 
+@pytest.mark.slow(reason="a whole demo; test_demo_passes_and_reports stays")
 def test_demo_preempts_and_resumes_mid_decode_and_still_passes(capsys, monkeypatch):
     """--preempt: the first requests go to host memory mid-decode and come
     back into slots they never held; the replay repeats the moves with numpy
@@ -61,6 +62,7 @@ def test_demo_preempts_and_resumes_mid_decode_and_still_passes(capsys, monkeypat
     assert code == 1 and "check against the reference: FAIL" in out, out
 
 
+@pytest.mark.slow(reason="a whole demo; test_demo_passes_and_reports stays")
 def test_demo_speculative_keeps_random_prefixes_and_passes(capsys):
     """--speculative K: each decode step verifies K drafts a request and keeps
     a random 0 .. 1 + K of its tokens; the reference replays the same steps
@@ -79,6 +81,7 @@ def test_demo_speculative_keeps_random_prefixes_and_passes(capsys):
     assert re.search(rf"CSA entries emitted \(all CSA layers\)\s+{csa:,}$", out, re.M), out
 
 
+@pytest.mark.slow(reason="a whole demo; test_demo_passes_and_reports stays")
 def test_demo_fails_on_a_corrupted_cache(capsys):
     code, out = run_cli(capsys, "demo", *SMALL, "--corrupt-at-step", "1")
     assert code == 1, out
@@ -140,6 +143,7 @@ def test_plan_rejects_bad_options(capsys):
         main(["plan", "--gpu-memory", "nan"])
 
 
+@pytest.mark.slow(reason="the bench's whole quick run; the bench command on two ops stays")
 def test_bench_writes_numbers(capsys, tmp_path):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     code, out = run_cli(capsys, "bench", "--plain", "--quick", "--reps", "1", "--batch", "1",
@@ -191,11 +195,12 @@ def test_bench_rejects_bad_options(capsys):
         assert e.value.code == 2 and argv[0] in capsys.readouterr().err
 
 
+@pytest.mark.slow(reason="a whole demo; test_demo_passes_and_reports stays")
 def test_demo_layer_scan_equals_unrolled_layers():
     """The demo scans the repeating part of a layer pattern (traced layer
     index); the cache must come out byte for byte as with unrolled layers."""
     from support.trees import assert_trees_bytes_equal
-    from dsv4_jax import demo
+    from dsv4_jax.app import demo
     assert demo.layer_groups(CacheConfig.flash().layer_kinds) == (3, 2, 20)
     assert demo.layer_groups(CacheConfig.pro().layer_kinds) == (1, 2, 30)
     assert demo.layer_groups(CacheConfig.tiny().layer_kinds) == (4, 1, 0)
@@ -214,15 +219,15 @@ def test_demo_layer_scan_equals_unrolled_layers():
 def test_library_does_not_import_the_cli_extras():
     import subprocess
     import sys
-    code = ("import sys, dsv4_jax, dsv4_jax.workload; "
+    code = ("import sys, dsv4_jax, dsv4_jax.app.workload; "
             "bad = [m for m in ('rich', 'matplotlib', 'tqdm') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_plan_plain_fallback_without_rich(capsys, monkeypatch):
-    from dsv4_jax import _ui
-    monkeypatch.setattr(_ui, "_rich", lambda: False)      # as if rich were not installed
+    from dsv4_jax.app import ui
+    monkeypatch.setattr(ui, "_rich", lambda: False)      # as if rich were not installed
     code, out = run_cli(capsys, "plan", "--model", "pro", "--context", "4096", "--requests", "2")
     assert code == 0
     total = memory_report(CacheConfig.pro(max_requests=2, max_context=4096)).total

@@ -1,4 +1,5 @@
-"""Config presets, state layout and memory_report (docs/design.md §2, §5)."""
+"""Config presets, state layout and memory_report (docs/design/overview.md,
+docs/design/state.md)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

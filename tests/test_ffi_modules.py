@@ -47,7 +47,7 @@ def test_noop_returns_its_operand_on_the_cpu():
 
 def test_layout_constants_agree_between_python_and_cpp():
     """dsv4_jax/config.py and errors.py hold the numbers ffi/include/dsv4/
-    layout.h compiles into the handlers and kernels (design §2): one value
+    layout.h compiles into the handlers and kernels (docs/design/overview.md): one value
     changed on one side only fails here."""
     from dsv4_jax import config as C
     from dsv4_jax import errors as E

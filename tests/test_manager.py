@@ -1,4 +1,4 @@
-"""CacheManager: slots, blocks, metadata, failures leave state unchanged (docs/design.md §7)."""
+"""CacheManager: slots, blocks, metadata, failures leave state unchanged (docs/design/host.md)."""
 import copy
 
 import numpy as np
@@ -113,7 +113,7 @@ def test_shard_label_in_messages():
         m.admit()
 
 
-# ---- speculative steps (docs/design.md §13) ----------------------------------------------
+# ---- speculative steps (docs/design/speculative.md) ----------------------------------------------
 def test_commit_speculative_keeps_the_counts_and_gives_back_the_steps_empty_blocks():
     cfg = CacheConfig.tiny(max_requests=3, max_context=512, num_blocks=8)
     m = CacheManager(cfg)

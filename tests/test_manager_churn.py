@@ -1,5 +1,6 @@
 """CacheManager under a long random churn of admit / share / release / preempt /
-resume and speculative steps (docs/design.md §7, §13), host side: after every operation every
+resume and speculative steps (docs/design/host.md,
+docs/design/speculative.md), host side: after every operation every
 block is accounted for (free exactly when no request or prefix holds it, its
 count the number of holders), a step only allocates free blocks, and a step
 writes only blocks its request alone holds."""
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax import manager as manager_module
+from dsv4_jax.host import manager as manager_module
 from dsv4_jax.config import BLOCK_TOKENS
 from support.audit import audit
 

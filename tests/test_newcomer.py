@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax import _ffi, cli, config as C, demo, donation
-from dsv4_jax.cli import main
+from dsv4_jax import _ffi, config as C, donation
+from dsv4_jax.app import cli, demo
+from dsv4_jax.app.cli import main
 
 
 def run_cli(capsys, *argv):
@@ -68,6 +69,7 @@ def test_info_names_the_missing_module_and_its_fix(capsys, no_cpu_module):
     assert "  cuda: not loaded: dsv4_jax._dsv4_cuda is not built in" in out, out
 
 
+@pytest.mark.slow(reason="a whole demo; test_demo_passes_and_reports stays")
 def test_demo_with_impl_reference_says_what_it_checked(capsys, no_cpu_module):
     code, out, err = run_cli(capsys, "demo", "--plain", "--model", "tiny", "--requests", "1",
                              "--context", "64", "--steps", "2", "--chunk", "32",
@@ -136,7 +138,7 @@ def test_bench_ops_know_every_op(capsys):
     ops = "apply_step,write_layer,indexer_topk,attention"
     args = parser.parse_args(["bench", "--ops", ops])
     assert args.ops == ops.split(",")
-    from dsv4_jax.bench.options import OPS
+    from dsv4_jax.app.bench.options import OPS
     for op in ("apply_step", "append", "write_layer", "indexer_topk", "attention",
                "gather_window", "gather_topk", "gather_all"):
         assert op in OPS

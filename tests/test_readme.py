@@ -144,7 +144,7 @@ def test_readme_sharded_example_runs_on_one_device(tmp_path):
 def test_readme_processes_example_runs_as_two_processes(tmp_path):
     """The per-process script, started as the block's comment says: two
     processes of two CPU devices each, each printing its line."""
-    from dsv4_jax.launch import run_processes
+    from dsv4_jax.multiprocess import run_processes
     script = tmp_path / "serve.py"
     script.write_text(readme_block("processes"))
     env = lambda i: {"JAX_PLATFORMS": "cpu",

@@ -50,7 +50,8 @@ def _write_step(state, meta, params):
     return state
 
 
-@pytest.mark.parametrize("kv_format", ["ds_fp8", "bf16"])
+@pytest.mark.parametrize("kv_format", ["ds_fp8", pytest.param("bf16", marks=pytest.mark.slow(
+    reason="bf16 pools; the ds_fp8 run stays"))])
 def test_reference_write_step_temporaries_stay_small(kv_format):
     cfg = dj.CacheConfig.tiny(max_requests=8, max_context=32768, kv_format=kv_format)
     state = state_shapes(cfg)

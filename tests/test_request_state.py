@@ -10,8 +10,10 @@ import pytest
 
 import dsv4_jax as dj
 from dsv4_jax.requests import transfer as rs
+from dsv4_jax.sharding import init_sharded_state, shard_config, state_sharding
 from support.inplace import assert_in_place
 from support.marks import CUDA, cpu_target_built, requires_cpu_ffi
+from support.sharding import data_mesh
 from support.trees import as_bytes, assert_trees_bytes_equal, poison
 
 CFG = dj.CacheConfig.tiny(max_requests=4, max_context=512, num_blocks=12)
@@ -54,21 +56,24 @@ def assert_blocks_of(data, before, blocks):
         assert np.array_equal(as_bytes(got), as_bytes(want))
 
 
-def assert_moved(after, before):
-    """`after` is `before` with slot 2 restored into slot 0 with block-table
-    row [5, 9, 1] and blocks [7, -1, 3] written into [10, -1, 4]; every
+def assert_moved(after, before, slots=(2, 0), row=(5, 9, 1), blocks=((7, 10), (3, 4))):
+    """`after` is `before` with slot `slots[0]` restored into `slots[1]` with
+    block-table row `row` and the blocks (from, to) of `blocks` copied; every
     other byte the same."""
+    src, dst = slots
     for a, b in zip(jax.tree_util.tree_leaves(slot_leaves(after)),
                     jax.tree_util.tree_leaves(slot_leaves(before))):
-        assert np.array_equal(as_bytes(a[:, 0]), as_bytes(np.ascontiguousarray(b[:, 2])))
-        assert np.array_equal(as_bytes(a[:, 1:]), as_bytes(np.ascontiguousarray(b[:, 1:])))
+        want = b.copy()
+        want[:, dst] = b[:, src]
+        assert np.array_equal(as_bytes(a), as_bytes(want))
     want_table = before.block_table.copy()
-    want_table[0] = -1
-    want_table[0, :3] = [5, 9, 1]
+    want_table[dst] = -1
+    want_table[dst, :len(row)] = row
     assert np.array_equal(after.block_table, want_table)
     for a, b in zip(jax.tree_util.tree_leaves(pools(after)), jax.tree_util.tree_leaves(pools(before))):
         want = b.copy()
-        want[:, 10], want[:, 4] = b[:, 7], b[:, 3]
+        for f, t in blocks:
+            want[:, t] = b[:, f]
         assert np.array_equal(as_bytes(a), as_bytes(want))
     assert np.array_equal(after.errors, before.errors)
 
@@ -76,7 +81,7 @@ def assert_moved(after, before):
 @pytest.mark.parametrize("kv_format", ["ds_fp8", "fp8_token", "bf16"])
 def test_snapshot_restore_and_blocks_copy_exact_bytes_and_touch_nothing_else(kv_format,
                                                                              impl_under_test):
-    # every implementation: the jnp slices and scatters, copy_rows' CPU handler
+    # every implementation of copy_rows: the jnp reference, its CPU handler
     # and its CUDA kernel (`-m gpu`)
     cfg = CFG.replace(kv_format=kv_format)
     st = random_state(cfg)
@@ -109,6 +114,24 @@ def test_moves_by_resident_ids_copy_exact_bytes_and_touch_nothing_else(kv_format
     st = random_state(cfg, seed=3)
     st = dj.write_blocks(dj.restore(st, there, snap), there, data)
     assert_moved(host(st), before)
+
+
+def test_sharded_moves_copy_exact_bytes_across_shards(impl_under_test):
+    # sharded over 2 devices each move is the copy op on every shard with
+    # shard-local ids: slot 3 (shard 1) restored into slot 0 (shard 0),
+    # blocks 7 (shard 1) and 3 (shard 0) read in one call and written to 4
+    # (shard 0) and 10 (shard 1); every other byte as it was
+    mesh = data_mesh(2)
+    cfg = shard_config(CFG, mesh, "data")
+    st = jax.device_put(poison(init_sharded_state(cfg, mesh), 5), state_sharding(cfg, mesh))
+    before = host(st)
+    with jax.set_mesh(mesh):
+        snap, data = dj.read_request(st, dj.request_ids(st, 3, [7, -1, 3]))
+        assert_snapshot_of(snap, before, 3)
+        assert_blocks_of(data, before, [7, -1, 3])
+        st = dj.write_request(st, dj.request_ids(st, 0, [4, -1, 10], block_row=[5, 0]),
+                              snap, data)
+    assert_moved(host(st), before, slots=(3, 0), row=(5, 0), blocks=((7, 4), (3, 10)))
 
 
 def test_pinned_host_placement_and_back():

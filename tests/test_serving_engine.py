@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax.demo import check_against
+from dsv4_jax.app.demo import check_against
 from support.marks import requires_cpu_ffi
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "serving_engine.py"

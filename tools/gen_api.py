@@ -61,7 +61,7 @@ SECTIONS = [
                          "block.hadamard", "block.inv_freq_of"]),
     ("Across processes", ["multiprocess.ProcessCacheManager", "multiprocess.StepAbandoned",
                           "multiprocess.shard_processes", "errors.shard_error_counts",
-                          "launch.run_processes", "launch.free_port"]),
+                          "multiprocess.run_processes", "multiprocess.free_port"]),
 ]
 WIDTH = 96   # signatures longer than this go one parameter per line
 

@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 
 import dsv4_jax as dj  # noqa: E402
 from dsv4_jax import config as C  # noqa: E402
-from dsv4_jax.bench.device_timeline import kernel_events  # noqa: E402
+from dsv4_jax.app.bench.device_timeline import kernel_events  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from append_original import workload as append_workload  # noqa: E402

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One device call for the decode step's cache kernels (append, write_layer,
-# indexer_topk): their GPU tests, then device times against the targets and
-# the original append kernel in one short table (tools/step_kernels_check.py).
+# The decode step's cache kernels (append, write_layer, indexer_topk) on a GPU
+# machine: their GPU tests, then device times against the targets and the
+# original append kernel in one short table (tools/step_kernels_check.py).
 # Builds nothing: build first with the testing modules, as tools/gpu_check.sh
 # does:
 #   pip install --no-build-isolation --no-deps -e . \
 #       --config-settings=cmake.define.DSV4_BUILD_TESTING=ON
-# The original append kernel is timed from the peers folder copied into the
-# ignored .peers/ (carried to the device); without it, or without torch, its
-# column says why. Logs and JSON go to $OUT (or /tmp/step_kernels_out).
+# The original append kernel is timed from a copy of its sources in $PEERS
+# (default .peers/, ignored by git); without it, or without torch, its column
+# says why. Logs and JSON go to $OUT (or /tmp/step_kernels_out).
 # SKIP_TESTS=1 skips the tests; QUICK=1 times fewer sizes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   test_rc=${PIPESTATUS[0]}
 fi
 echo "== device times ($(( $(date +%s) - T0 )) s so far)"
-$PY tools/step_kernels_check.py --json "$OUT/step_kernels.json" --peers .peers ${QUICK:+--quick} \
+$PY tools/step_kernels_check.py --json "$OUT/step_kernels.json" --peers "${PEERS:-.peers}" ${QUICK:+--quick} \
     2>&1 | tee "$OUT/times.log" | grep -v '^{' | tail -30
 bench_rc=${PIPESTATUS[0]}
 echo "== write_layer then indexer_topk with XLA's command buffers off"

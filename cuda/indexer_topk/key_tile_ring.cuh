@@ -13,9 +13,8 @@ namespace {  // internal linkage: see cuda/indexer_topk.cu
 // A tile in shared memory: the block's 32 packed keys (64 bytes each, rows
 // g and g + 1 of a quarter warp's 16-byte reads fill 32 distinct banks),
 // then its 32 scale words.
-// Two stages: one tile ahead of the one in use. On an H100 every deeper ring
-// tried (3, 4 or 7 stages, with 12 or 16 warps a CTA) made the score kernel
-// slower at B = 64, 64k.
+// Two stages: one tile ahead of the one in use; every deeper ring measured
+// made the score kernel slower (docs/perf/indexer.md, "Ideas tried").
 constexpr int kStages = 2;
 constexpr int kRowWords = kIndexPacked / 4;                  // 16
 constexpr int kScaleWord = kTile * kRowWords;                // 512

@@ -85,9 +85,8 @@ constexpr bool PairWarps(int64_t T, int64_t E, int tiles_per_warp, int sm_count)
 // Whether the mxfp4 score kernel streams the keys with evict_first
 // (StreamPolicy): where they are more than L2 holds, so no line of theirs is
 // read again in the call anyway, and the rank keys the select reads next
-// stay. On an H100 that saved about 5 % at B = 64, 64k (72 MB of keys);
-// where the keys fit (B = 1, 1M: 18 MB) it cost about 1 us, as the next call
-// then finds them in L2.
+// stay. Where the keys fit, it would cost the next call, which then finds
+// them in L2 (both measured: docs/perf/indexer.md, "Ideas tried").
 constexpr bool KeysEvictFirst(int64_t T, int64_t E, int64_t l2_bytes) {
   return static_cast<double>(T) * static_cast<double>(E) * (kIndexPacked + kIndexScales) >
          static_cast<double>(l2_bytes);

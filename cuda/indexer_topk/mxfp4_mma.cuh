@@ -85,9 +85,9 @@ __device__ __forceinline__ float Relu(float d) { return fmaxf(d, 0.f); }
 // k-step kk); tab[r]: its magnitude table. leaf[4j] = (s, s', -2^23 s, -2^23
 // s') and start[4j] = (S, S', S, S'), the accumulator starts, of heads 16c +
 // 2j, +1. Each half decodes the keys itself, so that only half the heads'
-// accumulators are live at once (on an H100 a build without the decode was only
-// 2 % faster). The compiler merges the two identical decodes: the sm_90a loop
-// has one decode's 68 PRMT a tile.
+// accumulators are live at once (a build with one decode was hardly faster:
+// docs/perf/indexer.md, "Ideas tried"). The compiler merges the two identical
+// decodes: the sm_90a loop has one decode's 68 PRMT a tile.
 template <int kHalf>
 __device__ __forceinline__ void FastTileHalf(const uint4* bfrag, const float4* leaf,
                                              const TreeSigns& signs, const uint4* start,

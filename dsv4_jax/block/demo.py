@@ -28,7 +28,7 @@ def run_demo(impl: str = "auto", stem=G.DEFAULT_STEM, out=print) -> int:
         out(f"dsv4_jax demo --model hf-tiny: {e}")
         return 2
     import jax
-    from ..ops._dispatch import resolve_impl
+    from ..ops.dispatch import resolve_impl
     ops = resolve_impl(impl, "dsv4_attention")
     hf = json.loads(str(g.data["config_json"]))
     kinds = ", ".join(KIND_NAMES[k] for k in g.cache.layer_kinds)

@@ -1,4 +1,5 @@
-"""append: new tokens' KV into the sliding window of a layer (docs/design.md §3, §6).
+"""append: new tokens' KV into the sliding window of a layer
+(docs/design/semantics.md, docs/design/operations.md).
 
 FFI target "dsv4_append" (operands in this order):
   attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128)
@@ -25,9 +26,9 @@ from ..error_detail import ErrorOp, records_detail
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
-from ._dispatch import check_array, ffi_in_place, resolve_impl
+from .dispatch import check_array, ffi_in_place, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 
 TARGET = "dsv4_append"
 

@@ -1,9 +1,9 @@
-"""apply_step: the first op of every step (docs/design.md §6).
+"""apply_step: the first op of every step (docs/design/operations.md).
 
 Resets the slots of newly admitted requests (block-table row, window
 positions, compressor accumulators) and writes the step's new block-table
 entries; every block handed out is scrubbed so its new owner can never read
-what the previous owner wrote (docs/design.md §7).
+what the previous owner wrote (docs/design/host.md).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from ..error_detail import ErrorOp, records_detail
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
-from ._dispatch import ffi_in_place, resolve_impl
-from ._shards import per_shard
+from .dispatch import ffi_in_place, resolve_impl
+from .shards import per_shard
 
 TARGET = "dsv4_apply_step"
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 attention straight from the cache (docs/design.md §6,
+"""DeepSeek-V4 attention straight from the cache (docs/design/operations.md,
 `attention`): each query token attends over its sliding window (the ring,
 plus the prefill chunk's own rows), the CSA entries its indexer picked or
 every visible HCA entry, and the per-head sink, with the entries
@@ -38,9 +38,9 @@ from .. import config as C
 from .. import reference
 from ..error_detail import ErrorOp, records_detail
 from ..state import CacheState, check_state
-from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
+from .dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 
 _I32 = jnp.int32
 KIND_CODE = {C.SWA: 0, C.CSA: 1, C.HCA: 2}

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..reference import copy_rows as ref
-from ._dispatch import check_array, ffi_call, resolve_impl
+from .dispatch import check_array, ffi_call, resolve_impl
 
 MAX_LEAVES = 24
 

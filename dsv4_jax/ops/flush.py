@@ -1,6 +1,7 @@
 """flush: fold a step's compressor projections into the online-softmax
 accumulators of a CSA or HCA layer and write every entry the step closes
-(epilogue + quantization) into the paged pool (docs/design.md §3-§6).
+(epilogue + quantization) into the paged pool (docs/design/semantics.md,
+docs/design/formats.md, docs/design/state.md, docs/design/operations.md).
 
 FFI targets (operands in this order):
 "dsv4_flush_csa"
@@ -53,9 +54,9 @@ from ..meta import StepMeta
 from ..params import CompressorParams
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
-from ._dispatch import check_array, ffi_in_place, resolve_impl
+from .dispatch import check_array, ffi_in_place, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 
 TARGETS = {C.CSA: "dsv4_flush_csa", C.HCA: "dsv4_flush_hca"}
 _FLOATS = (jnp.float32, jnp.bfloat16)

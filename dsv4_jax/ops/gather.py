@@ -1,4 +1,4 @@
-"""Gathers: read cache entries back as dense BF16 for attention (docs/design.md §6).
+"""Gathers: read cache entries back as dense BF16 for attention (docs/design/operations.md).
 
 Each returns its outputs and then the state, whose `errors` counted the bad
 rows the gather dropped (the pools are untouched): thread that state on, as
@@ -50,9 +50,9 @@ from .. import config as C
 from .. import reference
 from ..error_detail import ErrorOp, records_detail
 from ..state import CacheState, check_state
-from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
+from .dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 
 _I32 = jnp.int32
 

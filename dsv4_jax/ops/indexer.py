@@ -1,5 +1,5 @@
 """The lightning indexer's top-k over the MXFP4 keys of a CSA layer
-(docs/design.md §3, §4, §6).
+(docs/design/semantics.md, docs/design/formats.md, docs/design/operations.md).
 
 indexer_topk(state, layer, token_slot[T], token_pos[T], q bf16[T, 64, 128],
              weights f32[T, 64], k) -> (indices i32[T, k], state)
@@ -95,9 +95,9 @@ from .. import config as C
 from .. import reference
 from ..error_detail import ErrorOp, records_detail
 from ..state import CacheState, check_state
-from ._dispatch import check_array, errors_alias, ffi_call, resolve_impl
+from .dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 
 _I32 = jnp.int32
 MAX_K = 4096   # the CUDA kernel sorts the selection in shared memory

@@ -1,5 +1,5 @@
 """write_layer: the whole write path of one layer, append then flush, in one
-call: one FFI call, and on CUDA one kernel launch (docs/design.md §6).
+call: one FFI call, and on CUDA one kernel launch (docs/design/operations.md).
 
 A model calls, per layer, `append` and, on CSA and HCA layers, `flush`;
 `write_layer` does both. Append and flush write disjoint parts of the state
@@ -47,9 +47,9 @@ from ..error_detail import ErrorOp, records_detail
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..state import CacheState
-from ._dispatch import ffi_in_place, resolve_impl
+from .dispatch import ffi_in_place, resolve_impl
 from ._layer import layer_operand
-from ._shards import per_shard
+from .shards import per_shard
 from .append import append, append_ffi_operands, check_append_args
 from .flush import check_flush_args, flush_ffi_operands
 

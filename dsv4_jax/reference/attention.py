@@ -1,4 +1,4 @@
-"""Attention straight from the cache (docs/design.md §6, `attention`), as
+"""Attention straight from the cache (docs/design/operations.md, `attention`), as
 dense jnp: the rows each query sees are read back as the gathers read them
 (window ring, the prefill chunk's own rows, CSA picks or HCA entries), each
 with a mask, and one two-pass softmax runs over all of them with the sink.
@@ -118,7 +118,7 @@ def _inverse_rope(o, pos, inv_freq):
 
 def attention(state: CacheState, kind: str, layer_idx, kind_idx, q, token_slot, token_pos,
               sink, topk=None, chunk_kv=None, inv_freq=None):
-    """out bf16[T, H, 512], lse f32[T, H], errors (docs/design.md §6)."""
+    """out bf16[T, H, 512], lse f32[T, H], errors (docs/design/operations.md)."""
     cfg = state.config
     ok_layer = layer_ok(layer_idx, cfg.num_layers)
     if kind == C.CSA:

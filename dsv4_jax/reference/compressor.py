@@ -1,4 +1,4 @@
-"""Compressor: flush (docs/design.md §3, §5).
+"""Compressor: flush (docs/design/semantics.md, docs/design/state.md).
 
 Accumulators. Each compressed entry is a per-channel softmax pool, kept as an
 online softmax (max M, sum S, weighted kv V) in f32; empty = (-inf, 0, 0).
@@ -8,7 +8,7 @@ is implied by the request's length: with f the first position a call gates
 for a request, accumulator k holds entry f // m + k.
 
 One call, per compressor:
-0. Expected positions (docs/design.md §3). The k-th row of a request slot in
+0. Expected positions (docs/design/semantics.md). The k-th row of a request slot in
    the call (a stable sort by slot ranks them) has ep = p0 + k, p0 the
    position of its first row. A row gates if 0 <= ep < max_context; a gating
    row whose position is not ep is BAD_POSITION, and so is every row that

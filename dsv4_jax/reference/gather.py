@@ -1,5 +1,5 @@
 """Gathers of compressed entries: gather_topk (CSA) and gather_all (HCA)
-(docs/design.md §6; per-row rules in dsv4_jax/ops/gather.py).
+(docs/design/operations.md; per-row rules in dsv4_jax/ops/gather.py).
 
 Rows are read with clipped indices and masked to zero where they are not
 valid, so nothing outside the pools is ever addressed.

@@ -1,4 +1,4 @@
-"""Storage formats of docs/design.md §4 in pure jnp, bit for bit.
+"""Storage formats of docs/design/formats.md in pure jnp, bit for bit.
 
 Every rounding here is written with integer arithmetic on float32 bit
 patterns (or exact comparisons), never with log2 or a backend's float8
@@ -17,7 +17,7 @@ conversion, so the C++ and CUDA kernels can reproduce each byte:
 * e2m1 (MXFP4 element): magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6} are codes 0-7;
   a value half way between two magnitudes goes to the even code; the sign
   bit of the input becomes bit 3 (so -0.0 and negatives that round to
-  magnitude 0 give 0x8: docs/design.md §4, the sign of a zero code).
+  magnitude 0 give 0x8: docs/design/formats.md, the sign of a zero code).
 
 Formats (x is the bf16 entry, upcast exactly to f32):
 
@@ -89,7 +89,7 @@ def to_bf16(x):
 def divide_by_pow2(x, e):
     """x / 2^(e-127) for f32 x and int32 biased exponents e (broadcast), exact,
     by exponent arithmetic on the bits. XLA on the CPU treats subnormal inputs
-    of float ops as zero; the C++/CUDA code and docs/design.md §4 do not, and MXFP4's
+    of float ops as zero; the C++/CUDA code and docs/design/formats.md do not, and MXFP4's
     amax floor (6 * 2^-126) makes scales small enough for that to matter.
     A quotient below 2^-126 becomes a signed zero: it rounds to code 0 in both
     e4m3 (smallest step 2^-9) and e2m1."""

@@ -1,4 +1,5 @@
-"""Sliding window: append and gather_window (docs/design.md §3, §6).
+"""Sliding window: append and gather_window (docs/design/semantics.md,
+docs/design/operations.md).
 
 The window of a request is a ring of 128 entries per layer; a token at
 position p goes to ring slot p mod 128. Within one call several tokens of a

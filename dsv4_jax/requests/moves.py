@@ -1,4 +1,4 @@
-"""Moving requests with their cache (docs/design.md §7): prefix sharing,
+"""Moving requests with their cache (docs/design/host.md): prefix sharing,
 preemption to host memory and back, export and import as plain arrays.
 
 Each function pairs a `CacheManager` (or `ShardedCacheManager`) change with

@@ -1,4 +1,4 @@
-"""One request's cache as values that move (docs/design.md §5, "Request state
+"""One request's cache as values that move (docs/design/state.md, "Request state
 that moves"): the per-slot state outside the pages (`RequestSnapshot`: every
 layer's window and the compressor accumulators) and the contents of physical
 blocks (`RequestBlocks`), read out of a `CacheState` and written back into
@@ -18,12 +18,11 @@ donated by the writes: take back the state they return); called inside a
 trace it is inlined into the caller's program. Slots and block ids given as
 Python ints or numpy are checked and sent to the device with the call; a
 `RequestIds` (`request_ids`) is already there, so a move sends nothing. Every
-copy moves bits (requests/copies.py: one `copy_rows` call over every
-leaf where its FFI handlers are built, else jnp slices and scatters of the
-leaves' bits), so nothing is rounded, a -0 stays -0 and a NaN payload is
-kept.
+copy moves bits (requests/copies.py: one `take_rows` or `put_rows` call
+over every leaf it copies, per shard when sharded), so nothing is rounded, a
+-0 stays -0 and a NaN payload is kept.
 
-Sharded (docs/design.md §10), `slot` is the global slot
+Sharded (docs/design/sharding.md), `slot` is the global slot
 (`ShardedCacheManager.global_slot`), block ids are global
 (`ShardedCacheManager.global_blocks`), `block_row` holds the owning shard's
 local ids as the block table does, and the calls run under
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import CacheConfig
-from ..ops._dispatch import auto_means
+from ..ops.dispatch import auto_means
 from ..state import CacheState, check_tree
 from .copies import BODIES, READS
 from .types import RequestBlocks, RequestIds, RequestSnapshot, blocks_shapes, check_snapshot

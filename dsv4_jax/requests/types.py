@@ -1,4 +1,4 @@
-"""The values a request's cache moves as (docs/design.md §5, "Request state
+"""The values a request's cache moves as (docs/design/state.md, "Request state
 that moves"): `RequestSnapshot` (the slot's state outside the pages),
 `RequestBlocks` (the contents of physical blocks), and `RequestIds` (where
 in a cache they go, held on the device); their shapes under a config, and

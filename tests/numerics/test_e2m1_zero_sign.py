@@ -1,4 +1,4 @@
-"""The sign of a zero e2m1 code (docs/design.md §4): the sign bit follows the
+"""The sign of a zero e2m1 code (docs/design/formats.md): the sign bit follows the
 input's, so -0 and a negative value that rounds to magnitude 0 give code 8,
 +0 and a positive one code 0 (the rounding of ml_dtypes' float4_e2m1fn and
 of the e2m1 conversion DeepSeek-V4's fp4_act_quant kernel casts with). Pinned
@@ -212,7 +212,7 @@ def test_run_comparison_takes_zero_codes_of_either_sign_as_one_value():
     then keeps its magnitude code 0 and may change sign. The demo's check
     (workload.compare_states) counts that as a flip, like a one-step one, and
     fails two steps."""
-    from dsv4_jax.workload import within_one_step
+    from dsv4_jax.app.workload import within_one_step
     a = np.uint8([0, 8, 9, 0, 1, 8, 0x00, 0x80, 0x81, 0x01])
     b = np.uint8([8, 0, 0, 9, 9, 1, 0x80, 0x01, 0x00, 0x81])
     sign = np.array([8] * 6 + [0x80] * 4)

@@ -1,5 +1,5 @@
 """ffi/include/dsv4/numerics.h against independent numpy / ml_dtypes
-computations, bit for bit where the header promises bits (docs/design.md §4)."""
+computations, bit for bit where the header promises bits (docs/design/formats.md)."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -107,7 +107,7 @@ def test_e8m0_decode_matches_ml_dtypes():
 
 
 def test_e2m1_design_table():
-    # docs/design.md §4: ties to the even code
+    # docs/design/formats.md: ties to the even code
     x = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 6.0, 7.0], F32)
     got = call(num.e2m1_decode, call(num.e2m1_encode, x, U8), F32)
     np.testing.assert_array_equal(got, [0, 1, 1, 2, 2, 4, 4, -0.0, -4, 6, 6])

@@ -1,5 +1,5 @@
 """The shared numerics header gives the same bits on the GPU as on the CPU
-(docs/design.md §11: one header so CPU and GPU compute alike). Functions built from
+(docs/design/layout.md: one header so CPU and GPU compute alike). Functions built from
 bit operations and IEEE +, -, *, /, sqrt must agree exactly; those that call
 expf / sinf / cosf (online softmax, RoPE) may differ by an fp32 ulp, and a
 stored bf16 value by one code where it sits on a rounding boundary."""

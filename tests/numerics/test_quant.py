@@ -1,4 +1,4 @@
-"""Bit-level storage formats (docs/design.md §4): the jnp quantizers against ml_dtypes
+"""Bit-level storage formats (docs/design/formats.md): the jnp quantizers against ml_dtypes
 and the numpy oracle, and hand-checked edge cases."""
 import jax
 import jax.numpy as jnp
@@ -217,7 +217,7 @@ _mxfp4_jit = jit(Q.quantize_mxfp4)
 
 def test_subnormal_inputs_are_not_flushed_to_zero():
     """XLA on the CPU treats subnormal float inputs as zero; the quantizers
-    must not (C++/CUDA and docs/design.md §4 keep them). With MXFP4's amax floor of
+    must not (C++/CUDA and docs/design/formats.md keep them). With MXFP4's amax floor of
     6 * 2^-126 the scale is 2^-126, so a bf16 subnormal of 0.9 * 2^-126 is
     code 1.0, not 0. Found by hypothesis in a CI run."""
     rng = np.random.default_rng(11)

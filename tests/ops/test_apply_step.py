@@ -1,4 +1,6 @@
-"""apply_step: reference vs CPU FFI, in place, bad input (docs/design.md §6-§9)."""
+"""apply_step: reference vs CPU FFI, in place, bad input
+(docs/design/operations.md, docs/design/host.md, docs/design/in-place.md,
+docs/design/bad-input.md)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

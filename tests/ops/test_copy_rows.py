@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv4_jax.ops import _dispatch
+from dsv4_jax.ops import dispatch
 from dsv4_jax.ops import copy_rows as cr
 from support.inplace import check_in_place
 from support.marks import CUDA, cpu_target_built, requires_cpu_ffi
@@ -181,10 +181,11 @@ def test_put_then_take_round_trips_every_row(impl):
         assert np.array_equal(as_bytes(r), as_bytes(b))
 
 
-@pytest.mark.parametrize("impl", FFI_IMPLS)
+@pytest.mark.parametrize("impl", IMPLS)
 def test_put_rows_runs_in_place(impl):
     """The leaves alias the results: no copy of a leaf in the compiled call,
-    the same buffers after it (docs/design.md §8)."""
+    the same buffers after it (docs/design/in-place.md); the reference's scatters
+    too, which write the rows alone rather than the whole leaf."""
     leaves = [jnp.asarray(x) for x in random_leaves(4)]
     ids = jnp.asarray([3, 0], jnp.int32)
     rows = [jnp.asarray(r) for r in expected_rows(random_leaves(5), np.array([3, 0]), None, None)]
@@ -217,7 +218,7 @@ def _raw_take(impl, start, shape):
     device = jax.devices(impl)[0]
     x = jax.device_put(np.zeros((2, 3, 4), np.float32), device)
     ids = jax.device_put(np.zeros((2,), np.int32), device)
-    call = lambda i, leaf: _dispatch.ffi_call(      # noqa: E731
+    call = lambda i, leaf: dispatch.ffi_call(      # noqa: E731
         "dsv4_take_rows", [i, leaf], [jax.ShapeDtypeStruct(shape, jnp.float32)], {},
         row_axes=np.asarray([1], np.int64), id_starts=np.asarray([start], np.int64))
     return jax.block_until_ready(jax.jit(call)(ids, x))     # runs on the arrays' device

@@ -18,7 +18,7 @@ import pytest
 import dsv4_jax as D
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as EK
-from dsv4_jax.workload import Flips, compare_states
+from dsv4_jax.app.workload import Flips, compare_states
 from support.flush_plan import (call_flush, call_write_layer, params, prefill_state,
                                 projections, rows)
 from support.indexer import (expected, make_state, queries, run, with_index_keys,

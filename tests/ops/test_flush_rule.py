@@ -1,4 +1,4 @@
-"""flush's rule for dropped and out-of-order tokens (docs/design.md §3, "Order
+"""flush's rule for dropped and out-of-order tokens (docs/design/semantics.md, "Order
 of a request's tokens"), on every implementation, against the serial numpy
 model of support/flush_rule.py: each call's counts, accumulators, closed
 entries and untouched bytes. Cases: a dropped closing token in the middle of
@@ -25,7 +25,7 @@ import pytest
 
 import dsv4_jax as D
 from dsv4_jax.errors import ErrorKind as K
-from dsv4_jax.workload import Flips, compare_states, layer_params
+from dsv4_jax.app.workload import Flips, compare_states, layer_params
 
 from support.flush_rule import check_flush
 from support.harness import (FlipStats, assert_accumulators_close, compare_index, compare_kv,

@@ -80,7 +80,7 @@ def test_nan_rows_inside_regular_requests(kind):
 @pytest.mark.parametrize("kind", [C.CSA, C.HCA])
 def test_dropped_closing_rows_close_their_windows(kind):
     """NaN/Inf rows at windows' last positions: their windows close anyway,
-    from the other rows (docs/design.md §3), in the plan as in the walk."""
+    from the other rows (docs/design/semantics.md), in the plan as in the walk."""
     slots, pos = rows(*_runs(kind))
     m = C.CSA_RATIO if kind == C.CSA else C.HCA_RATIO
     closing = [t for t in range(len(slots)) if pos[t] % m == m - 1][::3]

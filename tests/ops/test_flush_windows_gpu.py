@@ -20,7 +20,7 @@ import pytest
 
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as EK
-from dsv4_jax.workload import Flips, compare_states
+from dsv4_jax.app.workload import Flips, compare_states
 from support.flush_plan import call_flush, call_write_layer, params, prefill_state, projections, rows
 from support.marks import CUDA
 from support.trees import assert_trees_bytes_equal
@@ -95,7 +95,7 @@ def test_several_requests_uneven_chunks(kind, fmt):
 @pytest.mark.parametrize("kind", [C.CSA, C.HCA])
 def test_nan_rows_inside_regular_requests(kind):
     """NaN/Inf rows that close no window, then rows at windows' last
-    positions (their windows close anyway, docs/design.md §3): the plan
+    positions (their windows close anyway, docs/design/semantics.md): the plan
     kernel, the CUDA serial kernel and the CPU handler agree."""
     slots, pos = rows(*_runs(kind))
     m = C.CSA_RATIO if kind == C.CSA else C.HCA_RATIO

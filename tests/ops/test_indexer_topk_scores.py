@@ -101,7 +101,7 @@ def test_reference_scores_bit_exact_mxfp4():
 
 def handler_scratch(impl, st, slot, pos, q, w, q_format):
     """The handler's scratch result (rank keys of every entry), poisoned first."""
-    from dsv4_jax.ops._dispatch import ffi_call
+    from dsv4_jax.ops.dispatch import ffi_call
     from dsv4_jax.ops.indexer import QUERY_SCRATCH_BYTES, Q_FORMATS as ATTR
     T = len(slot)
     E = st.config.max_blocks_per_request * 32

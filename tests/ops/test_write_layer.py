@@ -17,7 +17,7 @@ import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as K
 
-from dsv4_jax.workload import Flips, compare_states, layer_params
+from dsv4_jax.app.workload import Flips, compare_states, layer_params
 from support.workload import step_inputs
 from support.harness import poison
 from support.inplace import assert_in_place, compiled_text
@@ -110,6 +110,8 @@ def test_write_layer_is_append_then_flush(impl, fmt):
 
 
 @requires_cpu_ffi
+@pytest.mark.slow(reason="five steps through the reference; test_write_layer_is_append_then_flush "
+                  "(the CPU handlers) and append's and flush's parity with the reference stay")
 def test_cpu_write_layer_matches_reference_append_then_flush():
     cfg = C.CacheConfig.tiny(kv_format="ds_fp8")
     params = layer_params(cfg, seed=5)
@@ -150,8 +152,8 @@ def bad_rows(seed):
     slot 3 (no blocks), and NaN/Inf in the window row, the compressor row or
     both. Returns slot, pos, window kv, comp kv/score, index kv/score, and
     the counts the two calls make together on a CSA layer. A bad position
-    takes its request's next position (flush's expected one, docs/design.md
-    §3) and is never the request's first row, whose position sets the
+    takes its request's next position (flush's expected one,
+    docs/design/semantics.md) and is never the request's first row, whose position sets the
     expected ones; bad there, it would make all the request's rows bad."""
     rng = np.random.default_rng(seed)
     slot, pos = np.full(T, -1, np.int32), np.zeros(T, np.int32)

@@ -1,13 +1,13 @@
-"""Bad input at run time (docs/design.md §9), property-based: random metadata with a
+"""Bad input at run time (docs/design/bad-input.md), property-based: random metadata with a
 fraction of bad rows (and rows with NaN/Inf inputs), on every implementation. Each op must give exactly the
 result of the same call with the bad rows turned into padding, leave every
 other byte alone, and count each bad row once under its kind. flush is the
-exception: a dropped row of a request keeps its expected position (§3), so
+exception: a dropped row of a request keeps its expected position (docs/design/semantics.md), so
 it is not padding; flush's result is held against the serial model of its
 rule (support/flush_rule.py) and, exactly, against the call with its bad-slot
 rows padded. attention is the other: a NaN/Inf in q drops only that query (in
 a prefill chunk its kv row is still its neighbours' window row), and a NaN/Inf
-chunk_kv row is seen by no query while its own query attends (§6)."""
+chunk_kv row is seen by no query while its own query attends (docs/design/operations.md)."""
 import dataclasses
 import os
 
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind as K
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support import attention_oracle as AO
 from support.flush_rule import check_flush
 from support.trees import assert_trees_bytes_equal

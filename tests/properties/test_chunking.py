@@ -1,6 +1,6 @@
 """Any chunking of several requests into prefill chunks and single-token
 decodes, in mixed padded batches, gives the pools, window, accumulators and
-gathers of the whole-sequence oracle (docs/design.md §12).
+gathers of the whole-sequence oracle (docs/design/testing.md).
 
 Quantized bytes must be bit exact except one-code flips where an fp32 value
 sits on a rounding boundary (the f32 online softmax against the f64 oracle);

@@ -1,4 +1,5 @@
-"""The CUDA handlers over many steps (docs/design.md §8, §9, §12), on the GPU only.
+"""The CUDA handlers over many steps (docs/design/in-place.md,
+docs/design/bad-input.md, docs/design/testing.md), on the GPU only.
 
 * One jitted write step and one read step, each compiled once, replayed for
   1000 steps of changing metadata on a CSA + HCA cache (ds_fp8) against the
@@ -23,7 +24,7 @@ import pytest
 import dsv4_jax as dj
 from dsv4_jax import CacheConfig, init_state
 from dsv4_jax import config as C
-from dsv4_jax.workload import Flips, compare_states, layer_params
+from dsv4_jax.app.workload import Flips, compare_states, layer_params
 from support.workload import (Schedule, assert_outputs_equal, read_step, step_inputs,
                               write_step)
 from support.inplace import assert_in_place

@@ -1,4 +1,4 @@
-"""Error detail (docs/design.md §9): with `CacheConfig(error_detail=True)`
+"""Error detail (docs/design/bad-input.md): with `CacheConfig(error_detail=True)`
 the state records, per error kind, the op and layer that counted it first;
 `check_errors` says so. Held to the step's own order of ops (which op meets
 each bad row first), on every implementation (each against the same record); the counters are those of the same step without detail; a later count of a
@@ -12,7 +12,7 @@ import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.error_detail import ErrorOp
 from dsv4_jax.errors import ErrorKind as K
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support.marks import every_impl
 
 CFG = dj.CacheConfig.tiny(max_requests=4, max_context=512)

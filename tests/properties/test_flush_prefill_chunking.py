@@ -1,5 +1,5 @@
-"""Chunking invariance of long prefill streams (docs/design.md §3, §12): a
-16k-token request (starting mid-window, on carried accumulators) flushed in
+"""Chunking invariance of long prefill streams (docs/design/semantics.md,
+docs/design/testing.md): a 16k-token request (starting mid-window, on carried accumulators) flushed in
 one 16k-token call or four 4k-token calls (the window plan) gives the bytes
 of smaller chunkings (calls of 1 to 1,000 rows: the serial walk below 256
 rows, the plan above), on the CPU handler and on the CUDA kernels, CSA and

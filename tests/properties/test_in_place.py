@@ -1,4 +1,4 @@
-"""docs/design.md §8 for a whole model step on every implementation: apply_step,
+"""docs/design/in-place.md for a whole model step on every implementation: apply_step,
 append on every layer and flush on every compressed layer, jitted with the
 state donated, at decode (one token) and prefill sizes. The compiled HLO
 aliases every pool and copies none; the buffers stay where they were.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dsv4_jax as dj
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support.workload import step_inputs, write_step
 from support.inplace import assert_in_place
 

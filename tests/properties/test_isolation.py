@@ -1,4 +1,4 @@
-"""Tenant isolation (docs/design.md §7): a released request's blocks go to the next
+"""Tenant isolation (docs/design/host.md): a released request's blocks go to the next
 request scrubbed; nothing the previous owner wrote is readable by it."""
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 
 import dsv4_jax as dj
 from dsv4_jax import config as C
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support.workload import step_inputs, write_step
 
 pytestmark = pytest.mark.usefixtures("impl_under_test")

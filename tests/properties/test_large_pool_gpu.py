@@ -1,4 +1,4 @@
-"""docs/design.md §9 on the GPU: offsets are 64-bit, a pool larger than 2^31 bytes works.
+"""docs/design/bad-input.md on the GPU: offsets are 64-bit, a pool larger than 2^31 bytes works.
 
 For each kind of pool (the SWA window ring, the CSA and the HCA block pools) a
 one-layer cache whose fp8 leaf is just over 2^31 bytes, with one request placed
@@ -23,7 +23,7 @@ import dsv4_jax as dj
 from dsv4_jax import CacheConfig, init_state
 from dsv4_jax import config as C
 from dsv4_jax.state import E8M0
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support.workload import assert_outputs_equal, read_step, step_inputs, write_step
 from support.marks import CUDA, available_host_gb, requires_cpu_ffi
 
@@ -107,6 +107,7 @@ def _rows(state, slot, blocks):
     return out
 
 
+@pytest.mark.slow(reason="a pool beyond 2 GiB on the GPU, as its CPU twin")
 @pytest.mark.parametrize("kind", [C.SWA, C.CSA, C.HCA])
 def test_pool_beyond_2_gib(kind):
     (big_cfg, (big_slot, big_blocks)), (small_cfg, (small_slot, small_blocks)) = _configs(kind)

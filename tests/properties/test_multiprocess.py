@@ -1,4 +1,4 @@
-"""The sharded cache across processes (docs/design.md §10, "Across
+"""The sharded cache across processes (docs/design/sharding.md, "Across
 processes"): two jax.distributed processes on this machine, each driving its
 own devices and its own shards' tables, against one process driving all of
 them. Every process runs tests/support/multiprocess_worker.py (a workload of
@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from dsv4_jax.launch import run_processes
+from dsv4_jax.multiprocess import run_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "support", "multiprocess_worker.py")
@@ -61,6 +61,7 @@ def run_worker(out, num_processes, env):
     return reports
 
 
+@pytest.mark.slow(reason="two processes against one; the two-process example and README script stay")
 @pytest.mark.parametrize("platform", [
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         gpu_count() < 2, reason="needs 2 GPUs on one host")])])
@@ -161,7 +162,7 @@ def test_importing_dsv4_jax_leaves_jax_distributed_possible():
     """jax.distributed.initialize must come before JAX starts a backend; a
     program that imports dsv4_jax first (and registers its FFI targets) must
     still be able to call it. A fresh interpreter, one process."""
-    from dsv4_jax.launch import free_port
+    from dsv4_jax.multiprocess import free_port
     code = ("import jax, dsv4_jax; from dsv4_jax import _ffi; _ffi.module_status(); "
             f"jax.distributed.initialize(coordinator_address='127.0.0.1:{free_port()}', "
             "num_processes=1, process_id=0); print(len(jax.devices()))")

@@ -1,4 +1,4 @@
-"""Prefix sharing (docs/design.md §7): a request admitted on a cached
+"""Prefix sharing (docs/design/host.md): a request admitted on a cached
 prefix of 128*n tokens and continued reads back byte for byte what the same
 request prefilled from scratch does (its snapshot, its blocks, every gather and
 indexer_topk), in every KV format, sharded and not; the prefix's shared blocks
@@ -85,6 +85,7 @@ def test_prefix_admitted_request_equals_prefill_from_scratch(kv_format, prefix):
     dj.check_errors(x.state)
 
 
+@pytest.mark.slow(reason="sharded prefix sharing; the unsharded runs and sharded moves byte for byte stay")
 def test_prefix_sharing_on_a_sharded_state():
     mesh = data_mesh(4)
     cfg = dj.CacheConfig.tiny(max_requests=8, max_context=512, num_blocks=32)

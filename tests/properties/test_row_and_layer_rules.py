@@ -1,4 +1,4 @@
-"""Rules every op keeps within a step (docs/design.md §9, docstrings of
+"""Rules every op keeps within a step (docs/design/bad-input.md, docstrings of
 dsv4_jax/ops), on every implementation: bad rows mixed into a step's batch
 are dropped and counted and the valid rows give what they give without
 them; a bad traced layer counts BAD_LAYER once per op and changes nothing;
@@ -47,7 +47,7 @@ def test_bad_tokens_are_dropped_and_counted():
     dirty = step(D.init_state(CFG), meta_bad, x, csa_p[0], hca_p)
     # per op: append counts BAD_SLOT 2, BAD_POSITION 2; each flush (CSA, HCA)
     # counts BAD_SLOT 2, BAD_POSITION 3 (sa@-1, sa@512, and sb@200, which is
-    # not sb's expected position 9 in the call, docs/design.md §3),
+    # not sb's expected position 9 in the call, docs/design/semantics.md),
     # MISSING_BLOCK 1 (free@0). sa's two bad rows take expected positions 140
     # and 141, which close no window, so the state is the clean one.
     assert errs(dirty) == {K.BAD_SLOT: 6, K.BAD_POSITION: 8, K.MISSING_BLOCK: 2}

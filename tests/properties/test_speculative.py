@@ -1,4 +1,4 @@
-"""Speculative steps (docs/design.md §13): after verify_commit and the kept
+"""Speculative steps (docs/design/speculative.md): after verify_commit and the kept
 rows' write_layer, every byte a request holds — its block-table row, window,
 accumulators and the pool entries of its blocks — and every read of it equal
 a twin cache fed only the kept tokens; the verify pass's indexer picks and
@@ -54,7 +54,8 @@ def spec_both(x, y, pairs, drafts, accepted):
 
 # ---- the twin ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("k", range(1, 8))
+@pytest.mark.parametrize("k", [k if k in (1, 4, 7) else pytest.param(k, marks=pytest.mark.slow(
+    reason="a draft count between the ends; k = 1, 4 and 7 stay")) for k in range(1, 8)])
 def test_commit_equals_a_cache_fed_only_the_kept_tokens(k, impl):
     """2 + k requests verify k drafts a step, each keeping a different count
     of 0 .. 1 + k (rotating over three steps), from lengths that put their
@@ -219,7 +220,7 @@ def test_verify_reads_equal_a_prefill_chunk_of_the_same_tokens(impl):
     step_both(x, chunk, pairs, [126, 61, 200])
 
     def chunk_step(state, meta, inputs):
-        from dsv4_jax.demo import compressor_operands
+        from dsv4_jax.app.demo import compressor_operands
         state = dj.apply_step(state, meta, impl=impl)
         outs = {}
         for layer, kind in enumerate(cfg.layer_kinds):
@@ -250,9 +251,9 @@ def test_verify_reads_equal_a_prefill_chunk_of_the_same_tokens(impl):
                                   pytest.param("cuda", marks=CUDA)])
 def test_speculative_step_is_in_place(impl):
     """The whole step (apply_step, verify, commit, write_layer) aliases every
-    pool and copies none (docs/design.md §8): the copy of verify_begin is
+    pool and copies none (docs/design/in-place.md): the copy of verify_begin is
     ordered before the verify writes through the metadata it returns."""
-    from dsv4_jax.workload import layer_params
+    from dsv4_jax.app.workload import layer_params
     from support.workload import speculative_step, step_inputs
     from support.inplace import assert_in_place
     cfg = dj.CacheConfig.tiny(max_requests=2, max_context=256)

@@ -1,4 +1,4 @@
-"""Float64 oracle of `attention` (docs/design.md §6), written from the formula:
+"""Float64 oracle of `attention` (docs/design/operations.md), written from the formula:
 per query token a Python walk over the rows it sees (window positions,
 prefill-chunk rows, CSA picks, HCA entries), each decoded from the pool's raw
 bytes by support.oracle (ml_dtypes casts, not dsv4_jax), then a plain

@@ -14,7 +14,7 @@ import numpy as np
 
 import dsv4_jax as D
 from dsv4_jax import config as C
-from dsv4_jax.ops._dispatch import ffi_in_place
+from dsv4_jax.ops.dispatch import ffi_in_place
 from dsv4_jax.ops._layer import layer_operand
 from dsv4_jax.ops.flush import TARGETS, flush_ffi_operands
 from dsv4_jax.ops.write_layer import write_layer

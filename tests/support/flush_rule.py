@@ -1,4 +1,4 @@
-"""flush's rule for one call (docs/design.md §3, "Order of a request's
+"""flush's rule for one call (docs/design/semantics.md, "Order of a request's
 tokens"), as a plain serial numpy model in float64, written from the rule's
 text and not from any implementation, and the check of a state an
 implementation produced against it.

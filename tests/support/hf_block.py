@@ -3,7 +3,7 @@ Face's implementation attended (the golden set of
 tools/gen_hf_block_golden.py): per checked token and head, a plain softmax
 with the sink over its window rows (positions t-127..t) and its CSA picks or
 visible HCA entries, then the inverse RoPE, written from the formulas of
-docs/design.md §6 (not from dsv4_jax). The rows can be replaced by what a
+docs/design/operations.md (not from dsv4_jax). The rows can be replaced by what a
 pool of a kv_format stores (support.oracle's encoders, ml_dtypes casts)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Assertions that a jitted step updates the state in place (docs/design.md §8):
+"""Assertions that a jitted step updates the state in place (docs/design/in-place.md):
 assert_in_place for a step over a whole state, check_in_place for one CPU
 handler's call over the leaves it writes."""
 from __future__ import annotations

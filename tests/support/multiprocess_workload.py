@@ -21,7 +21,7 @@ from dsv4_jax import config as C
 from dsv4_jax.errors import shard_error_counts
 from dsv4_jax.multiprocess import ProcessCacheManager
 from dsv4_jax.sharding import ShardedCacheManager, init_sharded_state, shard_config, state_specs
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support.workload import step_inputs
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")

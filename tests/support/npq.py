@@ -1,5 +1,6 @@
-"""Independent numpy helpers for the FFI tests: quantizers written from docs/design.md
-§4 with ml_dtypes casts, and float64 versions of the §3 epilogue. Nothing here
+"""Independent numpy helpers for the FFI tests: quantizers written from
+docs/design/formats.md with ml_dtypes casts, and float64 versions of the
+epilogue of docs/design/semantics.md. Nothing here
 calls the code under test."""
 import ml_dtypes
 import numpy as np
@@ -50,7 +51,7 @@ def entry_roundtrip(row, fmt):
 
 
 def epilogue64(pooled, norm, inv_freq, pos, rope_dim=64):
-    """docs/design.md §3 epilogue with float64 arithmetic between the bf16 roundings."""
+    """docs/design/semantics.md epilogue with float64 arithmetic between the bf16 roundings."""
     x = bf16(pooled).astype(np.float64)
     x = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * norm.astype(np.float64)
     x = bf16(x).astype(np.float64)

@@ -1,4 +1,5 @@
-"""Whole-sequence oracle of docs/design.md §3-4 in numpy / float64.
+"""Whole-sequence oracle of docs/design/semantics.md and docs/design/formats.md in
+numpy / float64.
 
 Written independently of dsv4_jax.reference: no cache, no online softmax, no
 bit tricks. Each entry is a plain two-pass softmax over its window(s) in

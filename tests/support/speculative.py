@@ -1,4 +1,4 @@
-"""Speculative steps driven from token streams (docs/design.md §13), and the
+"""Speculative steps driven from token streams (docs/design/speculative.md), and the
 views two caches are compared by.
 
 `SpecDriver` is a `Driver` whose `spec_step({request: drafts},

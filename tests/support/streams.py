@@ -17,7 +17,7 @@ import numpy as np
 
 import dsv4_jax as dj
 from dsv4_jax import config as C
-from dsv4_jax.workload import layer_params
+from dsv4_jax.app.workload import layer_params
 from support.workload import write_step
 
 

@@ -1,8 +1,8 @@
 """A multi-request, multi-layer workload run step by step through any
-implementation (docs/design.md §12): the schedule (admissions, releases,
+implementation (docs/design/testing.md): the schedule (admissions, releases,
 chunk sizes, padding) and every input are drawn from a seed, so two
 implementations see exactly the same steps. Their caches are compared with
-dsv4_jax.workload.compare_states, their reads with `assert_outputs_equal`.
+dsv4_jax.app.workload.compare_states, their reads with `assert_outputs_equal`.
 """
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import config as C
-from dsv4_jax.manager import CacheFullError, CacheManager
+from dsv4_jax.host.manager import CacheFullError, CacheManager
 from dsv4_jax.ops.append import append
 from dsv4_jax.ops.apply_step import apply_step
 from dsv4_jax.ops.flush import flush
 from dsv4_jax.ops.gather import gather_all, gather_topk, gather_window
 from dsv4_jax.ops.write_layer import write_layer
-from dsv4_jax.demo import compressor_operands
+from dsv4_jax.app.demo import compressor_operands
 from dsv4_jax.speculative import verify_begin, verify_commit, verify_layer
 
 
@@ -54,7 +54,7 @@ def write_step(state, meta, inputs, params, impl):
 
 
 def speculative_step(state, meta, inputs, accepted, params, drafts, impl, read=None):
-    """The cache work of one speculative step (docs/design.md §13):
+    """The cache work of one speculative step (docs/design/speculative.md):
     apply_step, the verify pass's writes (verify_begin, verify_layer on every
     compressed layer), verify_commit with `accepted` (i32[R]), then
     write_layer of the kept rows on every layer. `read(state, layer, spec,

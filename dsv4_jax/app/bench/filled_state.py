@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import config as C
-from ..state import state_shapes
+from ... import config as C
+from ...state import state_shapes
 
 F32 = jnp.float32
 

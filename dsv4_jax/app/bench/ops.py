@@ -9,19 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import config as C
-from ..config import CacheConfig
-from ..memory import memory_report
-from ..meta import StepMeta
-from ..ops.append import append
-from ..ops.apply_step import apply_step
-from ..ops.attention import attention
-from ..ops.flush import flush
-from ..ops.gather import gather_all, gather_topk, gather_window
-from ..ops.indexer import indexer_topk
-from ..ops.write_layer import write_layer
-from ..params import yarn_inv_freq
-from ..state import init_state
+from ... import config as C
+from ...config import CacheConfig
+from ...memory import memory_report
+from ...meta import StepMeta
+from ...ops.append import append
+from ...ops.apply_step import apply_step
+from ...ops.attention import attention
+from ...ops.flush import flush
+from ...ops.gather import gather_all, gather_topk, gather_window
+from ...ops.indexer import indexer_topk
+from ...ops.write_layer import write_layer
+from ...params import yarn_inv_freq
+from ...state import init_state
 from .filled_state import filled_state
 from .inputs import (INDEX_KEY, ROW, entry_bytes, flush_bytes, flush_params,
                      pool_config, random_pools, with_blocks)

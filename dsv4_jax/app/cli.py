@@ -18,12 +18,12 @@ import argparse
 import json
 import sys
 
-from . import _ffi
-from . import config as C
-from ._ui import UI
+from .. import _ffi
+from .. import config as C
+from ..config import PRESETS, CacheConfig
+from ..memory import MIB, memory_report
 from .arguments import nonnegative_int, output_path, positive_float, positive_int
-from .config import PRESETS, CacheConfig
-from .memory import MIB, memory_report
+from .ui import UI
 
 GIB = 1024 ** 3
 # DeepSeek-V3.2's MLA cache: 512 fp8 values + 4 fp32 scales + 64 bf16 RoPE
@@ -157,7 +157,7 @@ def cmd_demo(args, parser) -> int:
     if args.context > C.MAX_CONTEXT:
         parser.error(f"--context: positions are int32, expected at most {C.MAX_CONTEXT:,} "
                      f"tokens, got {args.context:,}")
-    from .speculative import MAX_DRAFTS
+    from ..speculative import MAX_DRAFTS
     if args.speculative > MAX_DRAFTS:
         parser.error(f"--speculative: expected at most {MAX_DRAFTS} drafts, got {args.speculative}")
     verified = 1 + args.speculative          # positions a decode step takes at most
@@ -169,7 +169,7 @@ def cmd_demo(args, parser) -> int:
         args.steps = args.context // (2 * verified)   # the default leaves room for the prompts
     import jax
     from . import demo
-    from .ops._dispatch import auto_means, resolve_impl
+    from ..ops.dispatch import auto_means, resolve_impl
 
     try:
         impl = resolve_impl(args.impl, "dsv4_flush_csa")
@@ -363,7 +363,7 @@ def _has_devices(platform: str) -> bool:
         return False
 
 
-# ---- bench (in dsv4_jax/bench/) ------------------------------------------------------------
+# ---- bench (in dsv4_jax/app/bench/) --------------------------------------------------------
 def cmd_bench(args, parser) -> int:
     """Time every op at several sizes (µs per call, GB/s of the bytes it must
     move, % of a device copy of as many bytes) and a V4-Flash decode step as

@@ -1,4 +1,4 @@
-"""The host's bookkeeping of a sharded cache (docs/design.md §10): one
+"""The host's bookkeeping of a sharded cache (docs/design/sharding.md): one
 `CacheManager` per shard, requests admitted on the least-loaded shard, and
 step metadata laid out shard by shard. Plain Python, no device work but the
 metadata's one transfer; the device side is sharded_state.py, and
@@ -12,10 +12,10 @@ from typing import Hashable, Mapping
 import jax
 import numpy as np
 
-from . import config as C
-from .config import CacheConfig
+from .. import config as C
+from ..config import CacheConfig
+from ..meta import StepMeta
 from .manager import CacheFullError, CacheManager
-from .meta import StepMeta
 
 
 class ShardedCacheManager:
@@ -87,7 +87,7 @@ class ShardedCacheManager:
         self.shards[self.shard_of(request_id)].release(request_id)
         del self._shard_of[request_id]
 
-    # ---- prefix cache (docs/design.md §7): a prefix lives on its request's shard ----
+    # ---- prefix cache (docs/design/host.md): a prefix lives on its request's shard ----
     def cache_prefix(self, request_id, snapshot, *, tokens: int | None = None,
                      key: Hashable | None = None) -> Hashable:
         """`CacheManager.cache_prefix` on the request's shard; keys are unique

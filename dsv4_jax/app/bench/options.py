@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import config as C
+from ... import config as C
 from ..arguments import input_path, names, output_path, size, sizes
 
 # every op, then the decode step (last: --quick leaves it out)

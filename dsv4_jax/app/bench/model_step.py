@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsv4_jax as dj
-from .. import config as C
-from ..params import yarn_inv_freq
+from ... import config as C
+from ...params import yarn_inv_freq
 from .device_timeline import kernel_events, kernel_sequence, split_steps, timeline_summary
 from .timing import time_it
 
@@ -107,8 +107,8 @@ def attend(h, rows, mask):
     reads every gathered row under its mask, and costs about that read.
     Written as a dot of the 0/1 mask with the bf16 rows, accumulated in f32,
     so that XLA emits one dot per read; the product broadcast over the rows
-    and summed that it replaces compiled to a reduction over the middle axis
-    (35 µs a layer at B = 64 for gather_all's 2 MB on an H100)."""
+    and summed that it replaces compiled to a reduction over the middle axis,
+    far slower than the read (docs/perf/decode-step.md, "Ideas tried")."""
     total = jnp.einsum("bs,bsd->bd", mask.astype(rows.dtype), rows, preferred_element_type=F32)
     count = jnp.sum(mask, axis=1, keepdims=True, dtype=F32)
     return h + total / jnp.maximum(count, 1.0)

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _ffi
-from ..errors import error_counts
+from ... import _ffi
+from ...errors import error_counts
 from .inputs import inner_layers
 
 

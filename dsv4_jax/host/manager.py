@@ -1,4 +1,4 @@
-"""Host-side bookkeeping (docs/design.md §7): request slots, physical blocks, and the
+"""Host-side bookkeeping (docs/design/host.md): request slots, physical blocks, and the
 step metadata. Plain Python, no device sync.
 
 A typical step::
@@ -16,7 +16,7 @@ goes back to the free list only when the last holder lets go. A request
 admitted on a prefix (`admit(prefix=...)`) shares the prefix's blocks, all of
 them full (a prefix is a multiple of 128 tokens), and only ever appends
 tokens after them, so no request writes a block another holds
-(docs/design.md §7, "Prefix sharing").
+(docs/design/host.md, "Prefix sharing").
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from typing import Hashable, Mapping
 
 import numpy as np
 
-from .config import BLOCK_TOKENS, CacheConfig
-from .meta import StepMeta, bucket
-from .requests.types import check_snapshot
+from ..config import BLOCK_TOKENS, CacheConfig
+from ..meta import StepMeta, bucket
+from ..requests.types import check_snapshot
 
 
 class CacheFullError(RuntimeError):
@@ -59,7 +59,7 @@ class CacheManager:
     hashable. Each step: `prepare_step({request: new tokens})` gives the
     StepMeta whose token rows the model fills (see "Token rows").
 
-    `shard` only labels error messages (one manager per shard, docs/design.md §10)."""
+    `shard` only labels error messages (one manager per shard, docs/design/sharding.md)."""
 
     def __init__(self, config: CacheConfig, *, shard: int | None = None):
         self.config = config
@@ -318,7 +318,7 @@ class CacheManager:
         Sizes are padded to powers of two, at least the given minimums
         (`pad_sizes` gives minimums that fit every step up to a size, so a
         jitted step compiles once). `speculative=True` prepares a speculative
-        step (docs/design.md §13): its tokens are the requests' next tokens
+        step (docs/design/speculative.md): its tokens are the requests' next tokens
         and drafts, and `commit_speculative` then says how many each keeps;
         `commit_speculative` refuses any other step."""
         plan = self.plan_step(tokens)
@@ -409,7 +409,7 @@ class CacheManager:
                               new_blocks=nb, reset_slots=resets, device_put=device_put)
 
 
-    # ---- speculative steps (docs/design.md §13) -----------------------------------------
+    # ---- speculative steps (docs/design/speculative.md) -----------------------------------------
     def check_speculative(self, accepted: Mapping[Hashable, int]) -> dict:
         """The checks of `commit_speculative`, changing nothing: {request:
         (start length, tokens kept, blocks held before the step)}; ValueError

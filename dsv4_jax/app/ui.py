@@ -1,8 +1,8 @@
 """Terminal output of the command line: `rich` tables and progress bars when
 the optional `cli` extra is installed, plain text otherwise (or with --plain).
 
-The library never imports this module; only the command line (`dsv4_jax.cli`
-and the benchmarks it runs, `dsv4_jax.bench`) does.
+The library never imports this module; only the command line (`dsv4_jax.app.cli`
+and the benchmarks it runs, `dsv4_jax.app.bench`) does.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What `python -m dsv4_jax demo` checks a run with (docs/design.md §12):
+"""What `python -m dsv4_jax demo` checks a run with (docs/design/testing.md):
 random compressor parameters of every layer, and the comparison of two runs'
 caches, byte for byte but for the one-code flips an fp32 value on a rounding
 boundary may give. The tests compare runs with it too; the seeded workload
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import config as C
-from .params import CompressorParams, yarn_inv_freq
+from .. import config as C
+from ..params import CompressorParams, yarn_inv_freq
 
 F8 = jnp.float8_e4m3fn
 E8M0 = jnp.float8_e8m0fnu
@@ -71,7 +71,7 @@ def within_one_step(a, b, sign_bit: int):
     0x80; e2m1: 0x8) are at most one step apart on the value line. Codes
     below the sign bit count magnitude steps in value order, and -0 and +0
     are one value: the sign of a zero code follows the sign of the value
-    rounded (docs/design.md §4), so a value that rounds to zero and lies
+    rounded (docs/design/formats.md), so a value that rounds to zero and lies
     within rounding noise of it may give either, as a value on a rounding
     boundary gives either of two neighbouring codes."""
     def rank(c):

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import config as C
-from ..config import CacheConfig
-from ..params import CompressorParams, yarn_inv_freq
-from ..state import kv_entry_shapes, tree_bytes
+from ... import config as C
+from ...config import CacheConfig
+from ...params import CompressorParams, yarn_inv_freq
+from ...state import kv_entry_shapes, tree_bytes
 
 ROW = C.HEAD_DIM * 2    # one gathered / appended bf16 row
 INDEX_KEY = C.INDEX_PACKED + C.INDEX_SCALES

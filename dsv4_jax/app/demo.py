@@ -20,18 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import config as C
-from .config import CacheConfig
-from .errors import error_counts
-from .manager import CacheManager
-from .meta import StepMeta, bucket
-from .ops.append import append
-from .ops.apply_step import apply_step
-from .ops.flush import flush
-from .ops.gather import gather_all, gather_topk, gather_window
-from .ops.write_layer import write_layer
-from .speculative import verify_begin, verify_commit, verify_layer
-from .state import CacheState, init_state
+from .. import config as C
+from ..config import CacheConfig
+from ..errors import error_counts
+from ..host.manager import CacheManager
+from ..meta import StepMeta, bucket
+from ..ops.append import append
+from ..ops.apply_step import apply_step
+from ..ops.flush import flush
+from ..ops.gather import gather_all, gather_topk, gather_window
+from ..ops.write_layer import write_layer
+from ..speculative import verify_begin, verify_commit, verify_layer
+from ..state import CacheState, init_state
 from .workload import MAX_FLIP_FRACTION, Flips, compare_states, layer_params
 
 
@@ -110,7 +110,7 @@ def move_points(settings: DemoSettings) -> dict:
 def _move(state, manager, ids, parked, way, settings, events):
     """Preempt or resume the first `settings.preempt` requests (the run with
     the manager), recording each copy so a replay repeats it."""
-    from .requests.moves import preempt, resume
+    from ..requests.moves import preempt, resume
     order = range(settings.preempt) if way == "out" else reversed(range(settings.preempt))
     for j in order:
         if way == "out":
@@ -285,7 +285,7 @@ def compressor_operands(kind, x, p):
 
 def speculative_model_step(state: CacheState, meta: StepMeta, inputs, accepted, params,
                            impl: str, drafts: int, scan: bool = True):
-    """The cache work of one speculative decode step (docs/design.md §13):
+    """The cache work of one speculative decode step (docs/design/speculative.md):
     apply_step, verify_begin, per layer verify_layer and the gathers the
     drafts' attention reads (the ring before the step, top-k entries the
     drafts themselves may have closed, every HCA entry up to the drafts'

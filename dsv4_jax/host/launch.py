@@ -1,6 +1,6 @@
 """Start the processes of a multi-process run on this machine: a free port
 for the coordinator, N children each told its process id, a deadline, and
-every child ended when one fails or time runs out (docs/design.md §10).
+every child ended when one fails or time runs out (docs/design/sharding.md).
 
 On several hosts a cluster's own launcher (SLURM, Kubernetes, ...) does this
 job; `jax.distributed.initialize` then takes the same three things each

@@ -19,9 +19,9 @@ import json
 
 import jax
 
-from .. import config as C
-from .._ui import UI
-from ..config import CacheConfig
+from ... import config as C
+from ...config import CacheConfig
+from ..ui import UI
 from . import report
 from .filled_state import filled_state
 from .model_step import Variant, measure_step, step_inputs
