@@ -149,7 +149,7 @@ def cmd_demo(args, parser) -> int:
     """Chunked prefill and a jitted decode loop over several requests, checked
     against the jnp reference."""
     if args.model == "hf-tiny":     # the attention block against Hugging Face's outputs
-        from .block.demo import run_demo
+        from ..block.demo import run_demo
         return run_demo(args.impl)
     filled = _demo_defaults(args)
     if args.context < 2 * C.CSA_RATIO:
