@@ -2,29 +2,16 @@
 token, and the last prompt token from the prefill chunks) equal a dense
 attention written from scratch in numpy / float64 over the same tokens, with
 the compressed entries of the oracle (tests/support/oracle.py)."""
-import importlib.util
 import math
-import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from support.examples import load_example
 from support import oracle as O
 from dsv4_jax import config as C
 from dsv4_jax import yarn_inv_freq
-
-PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "decode_loop.py"
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("decode_loop", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module        # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
 
 def stored(entries, fmt):
     """What the cache gives back for bf16 entries: quantize, dequantize."""
@@ -71,7 +58,7 @@ def indexer_scores(x_t, w, ikeys):
 
 @pytest.mark.parametrize("kv_format", ["ds_fp8", "bf16"])
 def test_decode_loop_matches_dense_numpy_attention(kv_format):
-    ex = load_example()
+    ex = load_example("decode_loop")
     # float32 matmuls as the float64 oracle assumes: on a GPU, XLA's default
     # precision takes TF32 for them (1e-2 off in the attention outputs)
     with jax.default_matmul_precision("highest"):

@@ -6,31 +6,18 @@ and the cache it leaves equals, up to the documented one-code flips, a
 replay of the same steps through the jnp reference (the replay takes the
 run's next tokens and accepted counts, so both make the same steps), whose
 own next tokens and accepted counts mostly agree with the run's."""
-import importlib.util
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
 import dsv4_jax as dj
 from dsv4_jax.app.demo import check_against
+from support.examples import load_example
 from support.marks import requires_cpu_ffi
-
-PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "serving_engine.py"
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("serving_engine", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module        # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
 
 @requires_cpu_ffi
 def test_serving_engine_equals_its_reference_replay():
-    ex = load_example()
+    ex = load_example("serving_engine")
     run = ex.run(verbose=False)
     assert dict(run.steps) == {"chunk": run.steps["chunk"], "decode": run.steps["decode"],
                                "speculative": 1}
@@ -65,7 +52,7 @@ def test_timed_mode_runs_prefill_then_decode_steps():
     """The path `--model flash` takes on a GPU, on the tiny model: every
     request prefilled, then the timed decode steps, one token a request a
     step, nothing counted."""
-    ex = load_example()
+    ex = load_example("serving_engine")
     r = ex.timed(3, 200, steps=3, budget=128, model="tiny", size=ex.ModelSize())
     assert (r["B"], r["context"], r["decode_steps"], r["prefill_tokens"]) == (3, 200, 3, 600)
     assert r["tokens_per_s"] > 0 and r["prefill_s"] > 0
