@@ -8,7 +8,6 @@ run's next tokens and accepted counts, so both make the same steps), whose
 own next tokens and accepted counts mostly agree with the run's."""
 
 import numpy as np
-import pytest
 
 import dsv4_jax as dj
 from dsv4_jax.app.demo import check_against
