@@ -1,6 +1,6 @@
 // CUDA handler of attention (operands in ffi/attention.h, rules in
 // docs/design.md §6 and dsv4_jax/ops/attention.py). A prefill call first
-// encodes its chunk rows once (attention_chunk.cuh). Then the tensor-core
+// encodes its chunk rows once and decodes them to bf16 (attention_chunk.cuh). Then the tensor-core
 // kernel (attention_tensor_core.cuh) runs with each token's items split over
 // a cluster of CTAs that merge in distributed shared memory
 // (attention_finish.cuh): on wgmma where the device has it (sm_90, Hopper),
@@ -93,6 +93,10 @@ ffi::Error AttentionImpl(cudaStream_t stream, DSV4_ATTENTION_OPERANDS) {
         cuda::LaunchOverlapped(cuda::AttentionChunkEncodeKernel, dim3(blocks), dim3(256), 0, 1,
                                stream, a),
         "attention (chunk encoding)"));
+    DSV4_RETURN_IF_ERROR(cuda::LaunchResult(
+        cuda::LaunchOverlapped(cuda::AttentionChunkDecodeKernel, dim3(blocks), dim3(256), 0, 1,
+                               stream, a),
+        "attention (chunk decoding)"));
   }
   if (a.kernel == kAttnKernelAuto && cuda::ComputeMajor() == 9)
     return LaunchTensorCores<cuda::wgmma::Products>(a, stream);

@@ -1,10 +1,12 @@
 // The prefill side of attention on the GPU: a chunk's rows encoded once, as
 // append will store them, into the call's scratch (AttnBindChunkScratch in
 // ffi/attention.h), with a flag per row saying whether it was finite (a row
-// with a NaN or Inf is dropped by append, so no query sees it). The attention
-// kernels then read a chunk row like any pool entry, instead of encoding it
-// again for every query that sees it (docs/design.md §6: a prefill query sees
-// dequantize(quantize(chunk_kv[r])) in the pool's format).
+// with a NaN or Inf is dropped by append, so no query sees it), then decoded
+// once to the bf16 rows a query sees (docs/design.md §6: a prefill query sees
+// dequantize(quantize(chunk_kv[r])) in the pool's format). The attention
+// kernel's producer copies those rows into its tiles with cp.async, instead
+// of dequantizing a chunk row again for each of the up to 128 queries that
+// see it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,6 +34,21 @@ __global__ void __launch_bounds__(256) AttentionChunkEncodeKernel(AttentionArgs 
     UnpackBf16x8(ulo, lo);
     UnpackBf16x8(uhi, hi);
     WarpEncodeEntry(a.chunk, r, lo, hi);
+  }
+  LetNextStart();
+}
+
+// One warp per finite chunk row, grid-stride: its encoded entry (the kernel
+// above) decoded to a.chunk_rows. A kernel of its own: the encoded bytes are
+// read through the read-only cache, which only sees what a kernel before
+// wrote.
+__global__ void __launch_bounds__(256) AttentionChunkDecodeKernel(AttentionArgs a) {
+  WaitForPrevious();
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+       r < a.T; r += warps) {
+    if (__ldg(a.chunk_finite + r) == 0) continue;
+    WarpStoreEntry(a.chunk.fmt, WarpLoadEntry(a.chunk, r), a.chunk_rows + r * kHeadDim);
   }
   LetNextStart();
 }

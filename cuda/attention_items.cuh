@@ -107,22 +107,42 @@ struct AttnChunkScratch {
 };
 
 // AttnChunkRows of query row t of request s (block-wide: every thread of the
-// block calls).
+// block calls). Each thread folds its rows in registers and each warp its
+// threads by shuffles, so the block's scratch takes one atomic per warp and
+// field: every CTA of a prefill call scans all T rows, and per-row shared
+// atomics on the same six words serialized the scan behind every query.
 __device__ __forceinline__ AttnChunkRows AttnScanChunk(const AttentionArgs& a, int64_t t,
                                                        int64_t s, AttnChunkScratch* sc) {
   AttnChunkRows c;
   if (!a.has_chunk) return c;
   if (threadIdx.x == 0) *sc = AttnChunkScratch{INT_MAX, INT_MAX, -1, 0, INT_MAX, INT_MIN};
   __syncthreads();
+  int first_pos = INT_MAX, first_row = INT_MAX, last_row = -1, count = 0;
+  int lag_min = INT_MAX, lag_max = INT_MIN;
   for (int64_t r = threadIdx.x; r < a.T; r += blockDim.x) {
     const int64_t rp = __ldg(a.pos + r);
     if (__ldg(a.slot + r) != s || !QueryPositionOk(rp, a.MB)) continue;
-    atomicMin(&sc->first_pos, static_cast<int>(rp));
-    atomicMin(&sc->first_row, static_cast<int>(r));
-    atomicMax(&sc->last_row, static_cast<int>(r));
-    atomicAdd(&sc->count, 1);
-    atomicMin(&sc->lag_min, static_cast<int>(rp - r));
-    atomicMax(&sc->lag_max, static_cast<int>(rp - r));
+    const int lag = static_cast<int>(rp - r);
+    first_pos = min(first_pos, static_cast<int>(rp));
+    first_row = min(first_row, static_cast<int>(r));
+    last_row = max(last_row, static_cast<int>(r));
+    ++count;
+    lag_min = min(lag_min, lag);
+    lag_max = max(lag_max, lag);
+  }
+  first_pos = __reduce_min_sync(kFull, first_pos);
+  first_row = __reduce_min_sync(kFull, first_row);
+  last_row = __reduce_max_sync(kFull, last_row);
+  count = __reduce_add_sync(kFull, count);
+  lag_min = __reduce_min_sync(kFull, lag_min);
+  lag_max = __reduce_max_sync(kFull, lag_max);
+  if ((threadIdx.x & 31) == 0 && count > 0) {
+    atomicMin(&sc->first_pos, first_pos);
+    atomicMin(&sc->first_row, first_row);
+    atomicMax(&sc->last_row, last_row);
+    atomicAdd(&sc->count, count);
+    atomicMin(&sc->lag_min, lag_min);
+    atomicMax(&sc->lag_max, lag_max);
   }
   __syncthreads();
   const AttnChunkScratch k = *sc;

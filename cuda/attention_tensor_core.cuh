@@ -13,9 +13,10 @@
 //    global memory into one of two bf16 tiles, in the 128-byte-swizzled slabs
 //    both products read: four lanes a row, all of a row's loads in flight
 //    before its first store, so the fetch costs a lane two round trips a tile
-//    and the consumers' products of the other tile run meanwhile. A prefill
-//    chunk's rows come encoded as append stores them
-//    (AttentionChunkEncodeKernel), non-finite ones unseen.
+//    and the consumers' products of the other tile run meanwhile. What needs
+//    no arithmetic (RoPE, bf16 rows, a prefill chunk's rows, which come
+//    decoded once to bf16 by attention_chunk.cuh, non-finite ones unseen)
+//    goes by cp.async instead.
 //  - the two consumer warpgroups (8 warps) only run the products: consumer c
 //    computes S for its half of the tile's rows (64 heads x 32 rows, K-dim
 //    512), so S is computed once; the halves exchange their row maxima
@@ -118,16 +119,41 @@ __device__ __forceinline__ void RegsUp() {
 #endif
 }
 
-// The pool a staged row comes from: the ring, the prefill chunk's rows as
-// the encoding pass stored them (AttentionChunkEncodeKernel), or the paged
-// pool; and its entries.
+// The pool a dequantized row comes from: the ring or the paged pool (a
+// prefill chunk's rows come decoded, AttnCopyBf16Row); and its entries.
 __device__ __forceinline__ const EntryPool& SourcePool(const AttentionArgs& a, uint8_t src) {
-  return src == kFromRing ? a.ring : src == kFromChunk ? a.chunk : a.pool;
+  return src == kFromRing ? a.ring : a.pool;
 }
 __device__ __forceinline__ int64_t PoolEntries(const AttentionArgs& a, uint8_t src) {
-  return src == kFromRing    ? a.L * a.R * kWindow
-         : src == kFromChunk ? a.T
-                             : a.Lk * a.N * a.per_block;
+  return src == kFromRing ? a.L * a.R * kWindow : a.Lk * a.N * a.per_block;
+}
+
+// Copies a bf16 row (NoPE chunks at `nope`, RoPE chunks at `rope`) into row r
+// of a bf16 tile by cp.async, the lane's chunks qd, qd + 4, ...: nothing
+// passes through registers, and the copies are in flight until the tile's
+// wait.
+__device__ __forceinline__ void CopyBf16RowAsync(const uint4* nope, const uint4* rope, int qd,
+                                                 uint8_t* tile, int r) {
+#pragma unroll
+  for (int j = 0; j < kChunks / kRowLanes; ++j) {
+    const int c = qd + kRowLanes * j;
+    CpAsync16(tile + wgmma::ChunkOffset(r, c), c < kNopeChunks ? nope + c : rope + (c - kNopeChunks));
+  }
+}
+
+// The bf16 row of list item (src, e): a prefill chunk's row as the chunk
+// passes decoded it, or an entry of a bf16 ring or pool.
+__device__ __forceinline__ void Bf16Row(const AttentionArgs& a, uint8_t src, int64_t e,
+                                        const uint4** nope, const uint4** rope) {
+  if (src == kFromChunk) {
+    *nope = reinterpret_cast<const uint4*>(a.chunk_rows + e * kHeadDim);
+    *rope = *nope + kNopeChunks;
+    return;
+  }
+  const EntryPool& pool = SourcePool(a, src);
+  *nope = reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(pool.nope) +
+                                         e * kNopeDim);
+  *rope = reinterpret_cast<const uint4*>(pool.rope + e * kRopeDim);
 }
 
 // 8 e4m3 codes times s as 8 bf16 (e4m3 -> f16 is exact, one fp32 multiply,
@@ -147,12 +173,13 @@ __device__ __forceinline__ uint4 DequantChunkFast(uint32_t c0, uint32_t c1, floa
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// One fp8 row's bytes that a producer lane loads: lane q of the row's four
-// owns 16-byte code pieces q, q + 4, ... and RoPE pieces q, q + 4, so a quad
-// reads 64 contiguous bytes a load (DequantRowsToTile copies bf16 rows in the
-// same quads without it).
+// One fp8 row's bytes that a producer lane loads into registers: lane q of
+// the row's four owns 16-byte code pieces q, q + 4, ..., so a quad reads 64
+// contiguous bytes a load. Its bf16 RoPE pieces q, q + 4 go to the tile by
+// cp.async, as bf16 rows do (DequantRowsToTileFmt): fewer registers a row,
+// no store pass for them.
 struct RowPart {
-  uint4 v[kFp8Loads + kRopeLoads];   // the codes, then RoPE
+  uint4 v[kFp8Loads];                // the codes
   uint32_t scale[3];                 // ds_fp8: the words holding the row's 7 scale bytes
   int soff;                          // the first scale byte in them
 };
@@ -163,11 +190,8 @@ __device__ __forceinline__ void LoadRowPart(const AttentionArgs& a, uint8_t src,
                                             int qd, RowPart* x) {
   const EntryPool& pool = SourcePool(a, src);
   const uint4* codes = reinterpret_cast<const uint4*>(pool.nope + e * kNopeDim);
-  const uint4* rope = reinterpret_cast<const uint4*>(pool.rope + e * kRopeDim);
 #pragma unroll
   for (int j = 0; j < kFp8Loads; ++j) x->v[j] = __ldg(codes + qd + kRowLanes * j);
-#pragma unroll
-  for (int j = 0; j < kRopeLoads; ++j) x->v[kFp8Loads + j] = __ldg(rope + qd + kRowLanes * j);
   if constexpr (kFmt == kDsFp8) {
     // entry e's 7 scale bytes start at byte 7e, (3 (e mod 4)) mod 4 into its first word;
     // they lie in 3 aligned words, none read past the pool
@@ -184,9 +208,9 @@ __device__ __forceinline__ void LoadRowPart(const AttentionArgs& a, uint8_t src,
   }
 }
 
-// Dequantizes the lane's part of a row into row r of a bf16 tile: code piece
-// qd + 4j is channels 16 (qd + 4j) .. + 15, chunks 2 (qd + 4j) and + 1, all of
-// ds_fp8's scale tile j; RoPE piece qd + 4j is chunk kNopeChunks + qd + 4j.
+// Dequantizes the lane's codes of a row into row r of a bf16 tile: code
+// piece qd + 4j is channels 16 (qd + 4j) .. + 15, chunks 2 (qd + 4j) and + 1,
+// all of ds_fp8's scale tile j.
 template <int kFmt>
 __device__ __forceinline__ void StoreRowPart(const RowPart& x, int qd, uint8_t* tile, int r) {
   const uint64_t sw = (static_cast<uint64_t>(x.scale[1]) << 32) | x.scale[0];
@@ -207,58 +231,48 @@ __device__ __forceinline__ void StoreRowPart(const RowPart& x, int qd, uint8_t* 
     *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, c + 1)) =
         DequantChunkFast(x.v[j].z, x.v[j].w, s);
   }
-#pragma unroll
-  for (int j = 0; j < kRopeLoads; ++j)
-    *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, kNopeChunks + qd + kRowLanes * j)) =
-        x.v[kFp8Loads + j];
 }
 
-// The producer warpgroup's dequantizing of list rows 0..n-1 into bf16 tile
-// `tile`, rows n..63 zero (a masked row must hold finite values: its zero
+// The producer warpgroup's filling of bf16 tile `tile` with list rows
+// 0..n-1, rows n..63 zero (a masked row must hold finite values: its zero
 // weight times NaN is NaN). Four lanes a row, two rows a lane (r and r + 32)
-// one after the other, every load of a row issued before its first store: a
-// lane's two rows are its only dependent chains a tile. bf16 pools are copied
-// in the same quads, 16 chunks a lane a row.
+// one after the other. An fp8 row's codes are dequantized through registers,
+// every load of a row issued before its first store: a lane's two rows are
+// its only dependent chains a tile (both rows' loads in flight spill). What
+// needs no arithmetic goes by cp.async in the same quads, fire and forget:
+// an fp8 row's RoPE, a bf16 pool's rows, a prefill chunk's rows as decoded
+// once. The tile waits for its copies once, at its end.
 template <int kFmt>
 __device__ __forceinline__ void DequantRowsToTileFmt(const AttentionArgs& a, const LoopShared& sm,
                                                      uint8_t* tile, int n) {
   const int tid = threadIdx.x, qd = tid & (kRowLanes - 1), r0 = tid / kRowLanes;
   constexpr int kRowsALane = kTileRows * kRowLanes / 128;
-  if constexpr (kFmt != kBf16) {
-    for (int i = 0; i < kRowsALane; ++i) {
-      const int r = r0 + 32 * i;
-      if (r < n) {
-        RowPart x;
-        LoadRowPart<kFmt>(a, sm.list_src[r], sm.list[r], qd, &x);
-        StoreRowPart<kFmt>(x, qd, tile, r);
-      } else {
-        for (int c = qd; c < kChunks; c += kRowLanes)
-          *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, c)) = make_uint4(0, 0, 0, 0);
-      }
-    }
-    return;
-  }
   for (int i = 0; i < kRowsALane; ++i) {
     const int r = r0 + 32 * i;
-    const uint4* nope = nullptr;
-    const uint4* rope = nullptr;
-    if (r < n) {
-      const EntryPool& pool = SourcePool(a, sm.list_src[r]);
-      nope = reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(pool.nope) +
-                                            sm.list[r] * kNopeDim);
-      rope = reinterpret_cast<const uint4*>(pool.rope + sm.list[r] * kRopeDim);
+    if (r >= n) {
+      for (int c = qd; c < kChunks; c += kRowLanes)
+        *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, c)) = make_uint4(0, 0, 0, 0);
+      continue;
     }
-    uint4 v[kChunks / kRowLanes];
+    const uint8_t src = sm.list_src[r];
+    const int64_t e = sm.list[r];
+    if (kFmt == kBf16 || src == kFromChunk) {
+      const uint4 *nope, *rope;
+      Bf16Row(a, src, e, &nope, &rope);
+      CopyBf16RowAsync(nope, rope, qd, tile, r);
+    } else {
+      const uint4* rope = reinterpret_cast<const uint4*>(SourcePool(a, src).rope + e * kRopeDim);
 #pragma unroll
-    for (int j = 0; j < kChunks / kRowLanes; ++j) {
-      const int c = qd + kRowLanes * j;
-      v[j] = r >= n ? make_uint4(0, 0, 0, 0)
-                    : c < kNopeChunks ? __ldg(nope + c) : __ldg(rope + (c - kNopeChunks));
+      for (int j = 0; j < kRopeLoads; ++j)
+        CpAsync16(tile + wgmma::ChunkOffset(r, kNopeChunks + qd + kRowLanes * j),
+                  rope + qd + kRowLanes * j);
+      RowPart x;
+      LoadRowPart<kFmt>(a, src, e, qd, &x);
+      StoreRowPart<kFmt>(x, qd, tile, r);
     }
-#pragma unroll
-    for (int j = 0; j < kChunks / kRowLanes; ++j)
-      *reinterpret_cast<uint4*>(tile + wgmma::ChunkOffset(r, qd + kRowLanes * j)) = v[j];
   }
+  CpAsyncCommit();   // wait_group waits for committed groups only
+  CpAsyncWait<0>();
 }
 
 // One instantiation per pool format, chosen once a tile: the row loop tests

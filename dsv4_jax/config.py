@@ -26,7 +26,7 @@ INDEX_PACKED = INDEX_DIM // 2            # 64 bytes, two e2m1 codes per byte
 NORM_EPS = 1e-6
 # Scratch bytes a prefill chunk row of `attention` takes on the GPU (the
 # row encoded once as append stores it, and a finite flag).
-ATTN_CHUNK_SCRATCH_ROW = 1040
+ATTN_CHUNK_SCRATCH_ROW = 2064
 
 # Compressor RoPE of the official model.
 ROPE_THETA = 160000.0

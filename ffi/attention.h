@@ -9,9 +9,9 @@
 //         errors s32[9], swa.kv entries [L,R,128,...], then the kind's pool
 //         entries [Lk,N,32 or 1,...] (none for SWA)
 //   rets  out bf16[T,H,512], lse f32[T,H], errors (aliased when the state is
-//         returned), scratch u8[T * 1040 or 0] (the CUDA kernels' prefill
-//         chunk rows encoded once as append stores them; 0 bytes in decode
-//         and on the CPU, which ignores it)
+//         returned), scratch u8[T * 2064 or 0] (the CUDA kernels' prefill
+//         chunk rows encoded once as append stores them, then decoded to
+//         bf16; 0 bytes in decode and on the CPU, which ignores it)
 #pragma once
 
 #include <cstdint>
@@ -50,11 +50,13 @@ struct AttentionArgs {
   int64_t scratch_bytes = 0;
   EntryPool chunk;                     // the encoded chunk rows (CUDA, prefill)
   const uint8_t* chunk_finite = nullptr;   // per chunk row: 1 if finite (else unseen)
+  uint16_t* chunk_rows = nullptr;      // bf16 [T, 512]: each chunk entry decoded (CUDA, prefill)
 };
 
 // Carves the scratch of a prefill call (T * kAttnChunkScratchRow bytes) into
-// a pool of T entries in the call's format (NoPE, then RoPE, then scales) and
-// the rows' finite flags. False when there is no chunk or too little scratch.
+// a pool of T entries in the call's format (NoPE, then RoPE, then scales),
+// the rows' finite flags and the entries decoded to bf16 rows. False when
+// there is no chunk or too little scratch.
 inline bool AttnBindChunkScratch(AttentionArgs* a) {
   if (!a->has_chunk || a->scratch_bytes < a->T * kAttnChunkScratchRow) return false;
   a->chunk.fmt = a->ring.fmt;
@@ -62,6 +64,7 @@ inline bool AttnBindChunkScratch(AttentionArgs* a) {
   a->chunk.rope = reinterpret_cast<uint16_t*>(a->scratch + a->T * 2 * kNopeDim);
   a->chunk.scale = a->scratch + a->T * (2 * kNopeDim + 2 * kRopeDim);
   a->chunk_finite = a->scratch + a->T * (2 * kNopeDim + 2 * kRopeDim + 8);
+  a->chunk_rows = reinterpret_cast<uint16_t*>(a->scratch + a->T * kAttnChunkEncodedRow);
   return true;
 }
 

@@ -21,10 +21,10 @@ FFI target "dsv4_attention" (the same operands on CPU and CUDA):
          swa.pos i32[L, R, 128], errors i32[9], swa.kv entries, then the
          kind's pool entries (csa.kv or hca.kv; none for SWA)
   rets   out bf16[T, H, 512], lse f32[T, H], errors (aliased to the errors
-         argument when the state is returned), scratch u8[T * 1040 or 0]
+         argument when the state is returned), scratch u8[T * 2064 or 0]
          (discarded: in a prefill chunk the CUDA kernels encode the chunk's
-         rows there once, as append stores them; 0 bytes in decode and for
-         the CPU handler)
+         rows there once, as append stores them, and decode them once to
+         bf16; 0 bytes in decode and for the CPU handler)
 """
 from __future__ import annotations
 

@@ -21,8 +21,11 @@ constexpr int kIndexScales = 4;
 
 // Scratch bytes a prefill chunk row of attention takes on the GPU: its entry
 // as append stores it (NoPE codes or bf16 up to 896 bytes, RoPE 128, scales
-// up to 8) and one byte saying whether the row was finite.
-constexpr int kAttnChunkScratchRow = 1040;
+// up to 8) and one byte saying whether the row was finite (1040 in all), then
+// the entry decoded to the 512 bf16 a query sees (1024), which the kernel's
+// producer copies into a tile without a pass through registers.
+constexpr int kAttnChunkEncodedRow = 1040;
+constexpr int kAttnChunkScratchRow = kAttnChunkEncodedRow + 1024;
 
 // Online-softmax accumulator rows (axis of length 3 in comp/icomp).
 constexpr int kAccMax = 0, kAccSum = 1, kAccKv = 2;
