@@ -27,12 +27,12 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) AppendKernel(AppendArg
 }
 
 ffi::Error AppendImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                      ffi::AnyBuffer layer, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                      ffi::AnyBuffer layer, ffi::AnyBuffer meta,
                       ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
                       ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
                       ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   AppendArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
+  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, meta, kv,
                                       swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
                                       entry_rets, &a));
   // a scan grid: one block a multiprocessor, only as wide as its tokens, its

@@ -36,7 +36,7 @@ ffi::Error LaunchFlush(cudaStream_t stream, const FlushArgs& a, const char* what
 
 ffi::Error FlushCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
                         int64_t max_rows_per_slot,
-                        ffi::AnyBuffer layer, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                        ffi::AnyBuffer layer, ffi::AnyBuffer meta,
                         ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
                         ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
                         ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape,
@@ -47,7 +47,7 @@ ffi::Error FlushCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_cont
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
   DSV4_RETURN_IF_ERROR(ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer,
-                                        token_slot, token_pos, kv, score, ape, norm, inv_freq,
+                                        meta, kv, score, ape, norm, inv_freq,
                                         index_kv, index_score, index_ape, index_norm,
                                         index_inv_freq, block_table, rest, *comp, *icomp, *packed,
                                         *iscale, *errors, entry_rets, &a));
@@ -56,14 +56,14 @@ ffi::Error FlushCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_cont
 
 ffi::Error FlushHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
                         int64_t max_rows_per_slot,
-                        ffi::AnyBuffer layer, ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                        ffi::AnyBuffer layer, ffi::AnyBuffer meta,
                         ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
                         ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table,
                         ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> comp,
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
   DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer,
-                                        token_slot, token_pos, kv, score, ape, norm, inv_freq,
+                                        meta, kv, score, ape, norm, inv_freq,
                                         block_table, rest, *comp, *errors, entry_rets, &a));
   return LaunchFlush<false>(stream, a, "flush_hca");
 }

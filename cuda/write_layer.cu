@@ -122,7 +122,7 @@ ffi::Error LaunchChosen(cudaStream_t stream, const WriteLayerArgs& w, const char
 ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
                              int64_t max_rows_per_slot,
                              ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
-                             ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                             ffi::AnyBuffer meta,
                              ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
                              ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
                              ffi::AnyBuffer index_kv, ffi::AnyBuffer index_score,
@@ -131,7 +131,7 @@ ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
   WriteLayerArgs w;
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(kv_format, max_context, max_rows_per_slot,
-                                             window_layer, layer, token_slot, token_pos, kv,
+                                             window_layer, layer, meta, kv,
                                              comp_kv, comp_score, ape, norm, inv_freq, index_kv,
                                              index_score, index_ape, index_norm, index_inv_freq,
                                              block_table, args, rets, &w));
@@ -141,14 +141,14 @@ ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
 ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
                              int64_t max_rows_per_slot,
                              ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
-                             ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
+                             ffi::AnyBuffer meta,
                              ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
                              ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
                              ffi::AnyBuffer block_table, ffi::RemainingArgs args,
                              ffi::RemainingRets rets) {
   WriteLayerArgs w;
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, max_rows_per_slot,
-                                             window_layer, layer, token_slot, token_pos, kv,
+                                             window_layer, layer, meta, kv,
                                              comp_kv, comp_score, ape, norm, inv_freq, block_table,
                                              args, rets, &w));
   return LaunchChosen<false>(stream, w, "write_layer_hca");

@@ -47,7 +47,8 @@ class StepMeta:
     num_resets: int = dataclasses.field(metadata=dict(static=True))
     max_rows_per_slot: int = dataclasses.field(default=0, metadata=dict(static=True))
 
-    # offsets of each field in `data`
+    # offsets of each field in `data`; token_slot then token_pos first, as the
+    # write ops' handlers read them (token_fields)
     def _span(self, field: str) -> tuple[int, int]:
         sizes = [("token_slot", self.num_tokens), ("token_pos", self.num_tokens),
                  ("lengths", self.num_requests), ("new_blocks", 3 * self.num_new_blocks),
@@ -87,6 +88,19 @@ class StepMeta:
     def token_pos(self):
         """i32[T]: absolute position of each token row in its request."""
         return self._get("token_pos")
+
+    @property
+    def token_fields(self):
+        """i32[P] (one shard's metadata): `data` whole, the operand the write
+        ops (append, flush, write_layer) hand their FFI handlers, which read
+        token_slot from its first T int32s and token_pos from the next T (the
+        packing order of `_span`). Whole rather than the two fields: a slice
+        handed to a custom call is a buffer of its own, which XLA fills with a
+        copy before every call (two copy kernels a layer on the GPU)."""
+        if self.num_shards != 1:
+            raise ValueError(f"meta: token_fields is one shard's metadata, this holds "
+                             f"{self.num_shards} shards")
+        return self.data
 
     @property
     def lengths(self):

@@ -1,7 +1,8 @@
 // append: the step's tokens into the sliding window of one layer.
 // Operands and per-token rules: dsv4_jax/ops/append.py (target "dsv4_append").
 //   attrs kv_format, max_context
-//   args  layer s32[], token_slot s32[T], token_pos s32[T], kv bf16[T,512],
+//   args  layer s32[], meta s32[>= 2T] (token_slot, then token_pos: the step's
+//         packed metadata whole), kv bf16[T,512],
 //         swa.pos s32[L,R,128], errors s32[9], entry leaves [L,R,128,...]
 //   rets  swa.pos, errors, entry leaves (aliased, same order)
 #pragma once
@@ -33,8 +34,7 @@ auto BindAppend(Binding binding) {
       .template Attr<int64_t>("kv_format")
       .template Attr<int64_t>("max_context")
       .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
+      .template Arg<ffi::AnyBuffer>()  // meta (token_slot, token_pos)
       .template Arg<ffi::AnyBuffer>()  // kv
       .template Arg<ffi::AnyBuffer>()  // swa.pos
       .template Arg<ffi::AnyBuffer>()  // errors
@@ -47,8 +47,7 @@ auto BindAppend(Binding binding) {
 // `num_entry_args`: how many entry leaves came as inputs; `leaves`: the
 // entry results (aliased to them), which the handler writes.
 inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
-                                 ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
-                                 ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
+                                 ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
                                  ffi::AnyBuffer errors_in, size_t num_entry_args,
                                  ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors,
                                  const std::vector<ffi::AnyBuffer>& leaves, AppendArgs* out) {
@@ -56,10 +55,9 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   DSV4_RETURN_IF_ERROR(CheckMaxContext(max_context));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {-1}));
-  a.T = token_slot.dimensions()[0];
-  DSV4_RETURN_IF_ERROR(CheckBuffer("token_pos", token_pos, ffi::DataType::S32, {a.T}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("kv", kv, ffi::DataType::BF16, {a.T, kHeadDim}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("kv", kv, ffi::DataType::BF16, {-1, kHeadDim}));
+  a.T = kv.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(BindTokenRows(meta, a.T, &a.slot, &a.pos));
   DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos", swa_pos_in, ffi::DataType::S32, {-1, -1, kWindow}));
   a.L = swa_pos_in.dimensions()[0];
   a.R = swa_pos_in.dimensions()[1];
@@ -74,8 +72,6 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
   DSV4_RETURN_IF_ERROR(BindEntryLeaves("swa.kv", kv_format, leaves, &lead, &a.pool));
   a.max_context = max_context;
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
-  a.slot = static_cast<const int32_t*>(token_slot.untyped_data());
-  a.pos = static_cast<const int32_t*>(token_pos.untyped_data());
   a.kv = static_cast<const uint16_t*>(kv.untyped_data());
   a.swa_pos = static_cast<int32_t*>(swa_pos.untyped_data());
   a.errors = static_cast<int32_t*>(errors.untyped_data());
@@ -85,14 +81,13 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
 
 // The same, for append's own handlers (entry leaves as remaining operands).
 inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
-                                 ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
-                                 ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
+                                 ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
                                  ffi::AnyBuffer errors_in, const ffi::RemainingArgs& entry_args,
                                  ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors,
                                  const ffi::RemainingRets& entry_rets, AppendArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
-  return ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv, swa_pos_in,
+  return ValidateAppend(kv_format, max_context, layer, meta, kv, swa_pos_in,
                         errors_in, entry_args.size(), swa_pos, errors, leaves, out);
 }
 

@@ -44,12 +44,12 @@ void AppendOnHost(const AppendArgs& a, int64_t l) {
 namespace {
 
 ffi::Error AppendImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
-                      ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
+                      ffi::AnyBuffer meta, ffi::AnyBuffer kv,
                       ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
                       ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
                       ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   AppendArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, token_slot, token_pos, kv,
+  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, meta, kv,
                                       swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
                                       entry_rets, &a));
   int64_t l;

@@ -134,8 +134,7 @@ auto BindFlushCsa(Binding binding) {
                                       .template Attr<int64_t>("max_context")
                                       .template Attr<int64_t>("max_rows_per_slot")
                                       .template Arg<ffi::AnyBuffer>()   // layer
-                                      .template Arg<ffi::AnyBuffer>()   // token_slot
-                                      .template Arg<ffi::AnyBuffer>())  // token_pos
+                                      .template Arg<ffi::AnyBuffer>())  // meta (token rows)
       .RemainingArgs()                 // comp, icomp, index.packed, index.scale, errors, entries
       .template Ret<ffi::AnyBuffer>()  // comp
       .template Ret<ffi::AnyBuffer>()  // icomp
@@ -152,8 +151,7 @@ auto BindFlushHca(Binding binding) {
                                        .template Attr<int64_t>("max_context")
                                        .template Attr<int64_t>("max_rows_per_slot")
                                        .template Arg<ffi::AnyBuffer>()   // layer
-                                       .template Arg<ffi::AnyBuffer>()   // token_slot
-                                       .template Arg<ffi::AnyBuffer>())  // token_pos
+                                       .template Arg<ffi::AnyBuffer>())  // meta (token rows)
       .RemainingArgs()                 // comp, errors, entries
       .template Ret<ffi::AnyBuffer>()  // comp
       .template Ret<ffi::AnyBuffer>()  // errors
@@ -186,28 +184,28 @@ inline ffi::Error BindCompressorInputs(const std::string& prefix, const std::str
   return ffi::Error::Success();
 }
 
-// The checks common to both kinds: attributes, layer, token metadata, block table.
+// The checks common to both kinds: attributes, layer, token rows (T: the
+// rows of the projections `kv`, checked in full by BindCompressorInputs),
+// block table.
 inline ffi::Error BindFlushCommon(int64_t kv_format, int64_t max_context,
                                   int64_t max_rows_per_slot, ffi::AnyBuffer layer,
-                                  ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
-                                  ffi::AnyBuffer block_table, FlushArgs* a) {
+                                  ffi::AnyBuffer meta, const std::string& kv_name,
+                                  ffi::AnyBuffer kv, ffi::AnyBuffer block_table, FlushArgs* a) {
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   DSV4_RETURN_IF_ERROR(CheckMaxContext(max_context));
   if (max_rows_per_slot < 0)
     return ffi::Error::InvalidArgument("max_rows_per_slot: expected >= 0 (0: no bound), got " +
                                        std::to_string(max_rows_per_slot));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {-1}));
-  a->T = token_slot.dimensions()[0];
-  DSV4_RETURN_IF_ERROR(CheckBuffer("token_pos", token_pos, ffi::DataType::S32, {a->T}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer(kv_name.c_str(), kv, ffi::DataType::F32, {-1, -1}));
+  a->T = kv.dimensions()[0];
+  DSV4_RETURN_IF_ERROR(BindTokenRows(meta, a->T, &a->slot, &a->pos));
   DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
   a->R = block_table.dimensions()[0];
   a->MB = block_table.dimensions()[1];
   a->max_context = max_context;
   a->max_rows_per_slot = max_rows_per_slot;
   a->layer = static_cast<const int32_t*>(layer.untyped_data());
-  a->slot = static_cast<const int32_t*>(token_slot.untyped_data());
-  a->pos = static_cast<const int32_t*>(token_pos.untyped_data());
   a->block_table = static_cast<const int32_t*>(block_table.untyped_data());
   return ffi::Error::Success();
 }
@@ -223,8 +221,7 @@ inline ffi::Error CheckAliasedCounts(const char* what, size_t args, size_t rets)
 
 inline ffi::Error ValidateFlushCsa(
     int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot, ffi::AnyBuffer layer,
-    ffi::AnyBuffer token_slot,
-    ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
+    ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
     ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
     ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
     ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table, size_t num_aliased_args,
@@ -234,8 +231,8 @@ inline ffi::Error ValidateFlushCsa(
   FlushArgs a;
   a.csa = true;
   DSV4_RETURN_IF_ERROR(
-      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
-                      block_table, &a));
+      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, meta, kv_prefix + "kv",
+                      kv, block_table, &a));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 2, kCsaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs("index_", "params.index.", a.T, kIndexDim, 2,
@@ -266,9 +263,8 @@ inline ffi::Error ValidateFlushCsa(
 
 inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
                                    int64_t max_rows_per_slot, ffi::AnyBuffer layer,
-                                   ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
-                                   ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
-                                   ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
+                                   ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score,
+                                   ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
                                    ffi::AnyBuffer block_table, size_t num_aliased_args,
                                    ffi::AnyBuffer comp, ffi::AnyBuffer errors,
                                    const std::vector<ffi::AnyBuffer>& leaves, FlushArgs* out,
@@ -276,8 +272,8 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
   FlushArgs a;
   a.csa = false;
   DSV4_RETURN_IF_ERROR(
-      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
-                      block_table, &a));
+      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, meta, kv_prefix + "kv",
+                      kv, block_table, &a));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 1, kHcaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
   DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_hca", num_aliased_args, 2 + leaves.size()));
@@ -297,8 +293,7 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
 // The same two, for flush's own handlers (aliased operands as remaining ones).
 inline ffi::Error ValidateFlushCsa(
     int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot, ffi::AnyBuffer layer,
-    ffi::AnyBuffer token_slot,
-    ffi::AnyBuffer token_pos, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
+    ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
     ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
     ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
     ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
@@ -306,25 +301,24 @@ inline ffi::Error ValidateFlushCsa(
     ffi::AnyBuffer errors, const ffi::RemainingRets& entry_rets, FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
-  return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
-                          kv, score, ape, norm, inv_freq, index_kv, index_score, index_ape,
-                          index_norm, index_inv_freq, block_table, rest.size(), comp, icomp, packed,
-                          iscale, errors, leaves, out);
+  return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, meta, kv, score,
+                          ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
+                          index_inv_freq, block_table, rest.size(), comp, icomp, packed, iscale,
+                          errors, leaves, out);
 }
 
 inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
                                    int64_t max_rows_per_slot, ffi::AnyBuffer layer,
-                                   ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
-                                   ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
-                                   ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
+                                   ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score,
+                                   ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
                                    ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
                                    ffi::AnyBuffer comp, ffi::AnyBuffer errors,
                                    const ffi::RemainingRets& entry_rets, FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
-  return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, token_slot, token_pos,
-                          kv, score, ape, norm, inv_freq, block_table, rest.size(), comp, errors,
-                          leaves, out);
+  return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, meta, kv, score,
+                          ape, norm, inv_freq, block_table, rest.size(), comp, errors, leaves,
+                          out);
 }
 
 }  // namespace dsv4

@@ -132,7 +132,7 @@ using HostFlush = void (*)(const FlushArgs&, int64_t);
 template <HostFlush kFlush>
 ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
                         ffi::AnyBuffer layer,
-                        ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
+                        ffi::AnyBuffer meta, ffi::AnyBuffer kv,
                         ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
                         ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
                         ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape,
@@ -143,7 +143,7 @@ ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
   DSV4_RETURN_IF_ERROR(ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer,
-                                        token_slot, token_pos, kv, score, ape, norm, inv_freq,
+                                        meta, kv, score, ape, norm, inv_freq,
                                         index_kv, index_score, index_ape, index_norm,
                                         index_inv_freq, block_table, rest, *comp, *icomp, *packed,
                                         *iscale, *errors, entry_rets, &a));
@@ -156,14 +156,14 @@ ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows
 template <HostFlush kFlush>
 ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
                         ffi::AnyBuffer layer,
-                        ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos, ffi::AnyBuffer kv,
+                        ffi::AnyBuffer meta, ffi::AnyBuffer kv,
                         ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
                         ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table,
                         ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> comp,
                         ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
   FlushArgs a;
   DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer,
-                                        token_slot, token_pos, kv, score, ape, norm, inv_freq,
+                                        meta, kv, score, ape, norm, inv_freq,
                                         block_table, rest, *comp, *errors, entry_rets, &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();

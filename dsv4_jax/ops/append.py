@@ -3,7 +3,8 @@
 
 FFI target "dsv4_append" (operands in this order):
   attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128)
-  args   layer i32[] (global index, -1 = bad), token_slot i32[T], token_pos i32[T],
+  args   layer i32[] (global index, -1 = bad), meta i32[P >= 2T] (meta.token_fields:
+         token_slot, then token_pos, then what the handler ignores),
          kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[9],
          swa.kv.nope, swa.kv.rope[, swa.kv.scale]  (scale absent for bf16)
   rets   the aliased buffers, same order.
@@ -84,6 +85,6 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
         return reference.append(state, layer_idx, meta.token_slot, meta.token_pos, kv)
     window, rebuild = append_ffi_operands(state)
     pos, errors, *entries = ffi_in_place(
-        TARGET, [layer_idx, meta.token_slot, meta.token_pos, kv], [window[0], state.errors, *window[1:]],
+        TARGET, [layer_idx, meta.token_fields, kv], [window[0], state.errors, *window[1:]],
         kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
     return dataclasses.replace(rebuild(state, [pos, *entries]), errors=errors)

@@ -6,7 +6,8 @@ docs/design/formats.md, docs/design/state.md, docs/design/operations.md).
 FFI targets (operands in this order):
 "dsv4_flush_csa"
   attrs  kv_format, max_context
-  args   layer i32[] (CSA index, -1 = bad), token_slot i32[T], token_pos i32[T],
+  args   layer i32[] (CSA index, -1 = bad), meta i32[P >= 2T] (meta.token_fields:
+         token_slot, then token_pos, then what the handler ignores),
          kv f32[T, 1024], score f32[T, 1024], ape f32[4, 1024], norm f32[512],
          inv_freq f32[32], index_kv f32[T, 256], index_score f32[T, 256],
          index_ape f32[4, 256], index_norm f32[128], index_inv_freq f32[32],
@@ -17,7 +18,7 @@ FFI targets (operands in this order):
   rets   the aliased buffers, same order.
 "dsv4_flush_hca"
   attrs  kv_format, max_context
-  args   layer i32[] (HCA index), token_slot, token_pos, kv f32[T, 512],
+  args   layer i32[] (HCA index), meta, kv f32[T, 512],
          score f32[T, 512], ape f32[128, 512], norm f32[512], inv_freq f32[32],
          block_table i32[R, MB],
          then the aliased: hca.comp f32[Lh, R, 1, 3, 512], errors i32[9],
@@ -190,7 +191,7 @@ def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Ar
                                params, index_kv, index_score)
     inputs, aliased, rebuild = flush_ffi_operands(state, kind, kv, score, params, index_kv,
                                                   index_score)
-    return rebuild(ffi_in_place(target, [layer_idx, meta.token_slot, meta.token_pos, *inputs],
+    return rebuild(ffi_in_place(target, [layer_idx, meta.token_fields, *inputs],
                                 aliased, kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
                                 max_context=cfg.max_context,
                                 max_rows_per_slot=meta.max_rows_per_slot))

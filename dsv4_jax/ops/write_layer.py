@@ -16,7 +16,8 @@ FFI targets (operands in this order):
 "dsv4_write_layer_csa"
   attrs  kv_format, max_context
   args   window_layer i32[] (global index, -1 = bad), layer i32[] (CSA index, -1 = bad),
-         token_slot i32[T], token_pos i32[T], kv bf16[T, 512],
+         meta i32[P >= 2T] (meta.token_fields: token_slot, then token_pos, then what
+         the handler ignores), kv bf16[T, 512],
          comp_kv f32[T, 1024], comp_score f32[T, 1024], ape f32[4, 1024], norm f32[512],
          inv_freq f32[32], index_kv f32[T, 256], index_score f32[T, 256],
          index_ape f32[4, 256], index_norm f32[128], index_inv_freq f32[32],
@@ -27,9 +28,9 @@ FFI targets (operands in this order):
   rets   the aliased buffers, same order.
 "dsv4_write_layer_hca"
   attrs  kv_format, max_context
-  args   window_layer i32[], layer i32[] (HCA index), token_slot, token_pos,
-         kv bf16[T, 512], comp_kv f32[T, 512], comp_score f32[T, 512],
-         ape f32[128, 512], norm f32[512], inv_freq f32[32], block_table i32[R, MB],
+  args   window_layer i32[], layer i32[] (HCA index), meta, kv bf16[T, 512],
+         comp_kv f32[T, 512], comp_score f32[T, 512], ape f32[128, 512], norm f32[512],
+         inv_freq f32[32], block_table i32[R, MB],
          then the aliased: swa.pos, swa.kv leaves, hca.comp f32[Lh, R, 1, 3, 512],
          errors, hca.kv leaves
   rets   the aliased buffers, same order.
@@ -111,15 +112,15 @@ def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
     layer_idx = layer_operand(cfg, layer, kind)
     target = TARGETS[kind]
     impl = resolve_impl(impl, target, [state.block_table])
-    slot, pos = meta.token_slot, meta.token_pos
     if impl == "reference":
+        slot, pos = meta.token_slot, meta.token_pos
         state = reference.append(state, window_idx, slot, pos, kv)
         return reference.flush(state, kind, layer_idx, slot, pos, comp_kv, comp_score, params,
                                index_kv, index_score)
     window, put_window = append_ffi_operands(state)
     inputs, aliased, put_flush = flush_ffi_operands(state, kind, comp_kv, comp_score, params,
                                                     index_kv, index_score)
-    out = ffi_in_place(target, [window_idx, layer_idx, slot, pos, kv, *inputs],
+    out = ffi_in_place(target, [window_idx, layer_idx, meta.token_fields, kv, *inputs],
                        [*window, *aliased], kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
                        max_context=cfg.max_context, max_rows_per_slot=meta.max_rows_per_slot)
     return put_window(put_flush(out[len(window):]), out[:len(window)])

@@ -84,16 +84,18 @@ def test_append_traced_bad_layer():
 
 
 # ---- operands that reach the CPU handler -----------------------------------------------
-def append_call(st, kv=None, layer=None, entries=None, pos=None, **attrs):
+def append_call(st, kv=None, layer=None, entries=None, pos=None, meta=None, **attrs):
     T = 3
     kv = jnp.zeros((T, 512), jnp.bfloat16) if kv is None else kv
     layer = jnp.int32(0) if layer is None else layer
     entries = jax.tree_util.tree_leaves(st.swa.kv) if entries is None else entries
     pos = st.swa.pos if pos is None else pos
+    # token_slot (all 0), token_pos 0..T-1, then a field the handler ignores
+    meta = jnp.int32([0] * T + list(range(T)) + [7]) if meta is None else meta
     aliased = [pos, st.errors, *entries]
-    args = [layer, jnp.zeros(T, jnp.int32), jnp.arange(T, dtype=jnp.int32), kv, *aliased]
+    args = [layer, meta, kv, *aliased]
     attrs = {"kv_format": 0, "max_context": 256, **attrs}
-    return call("dsv4_append", args, aliased, {4 + i: i for i in range(len(aliased))}, **attrs)
+    return call("dsv4_append", args, aliased, {3 + i: i for i in range(len(aliased))}, **attrs)
 
 
 @cpu_module
@@ -105,7 +107,10 @@ def test_append_good_call_runs(st):
 @cpu_module
 @pytest.mark.parametrize("case, pattern", [
     ("kv_dtype", r"kv: expected dtype bfloat16, got float32"),
-    ("kv_shape", r"kv: expected shape \[3, 512\], got \[3, 448\]"),
+    ("kv_shape", r"kv: expected shape \[\*, 512\], got \[3, 448\]"),
+    ("meta_short", r"meta: expected at least 2 \* T = 6 int32s .* got 5"),
+    ("meta_dtype", r"meta: expected dtype int32, got float32"),
+    ("meta_rank", r"meta: expected shape \[\*\], got \[2, 3\]"),
     ("layer_dtype", r"layer: expected dtype int32, got float32"),
     ("layer_rank", r"layer: expected shape \[\], got \[1\]"),
     ("leaf_count", r"swa.kv: expected 3 entry buffers .* got 2"),
@@ -122,6 +127,12 @@ def test_append_bad_operands(st, case, pattern):
         kw["kv"] = jnp.zeros((3, 512), jnp.float32)
     elif case == "kv_shape":
         kw["kv"] = jnp.zeros((3, 448), jnp.bfloat16)
+    elif case == "meta_short":
+        kw["meta"] = jnp.zeros(5, jnp.int32)
+    elif case == "meta_dtype":
+        kw["meta"] = jnp.zeros(6, jnp.float32)
+    elif case == "meta_rank":
+        kw["meta"] = jnp.zeros((2, 3), jnp.int32)
     elif case == "layer_dtype":
         kw["layer"] = jnp.float32(0)
     elif case == "layer_rank":

@@ -193,8 +193,8 @@ def test_flush_csa_requests_interleaved_in_one_batch():
 def hca_flush_args(st, ape_rows=128, kv_dtype=jnp.float32):
     T = 2
     aliased = [st.hca.comp, st.errors, *jax.tree_util.tree_leaves(st.hca.kv)]
-    args = [jnp.int32(0), jnp.zeros(T, jnp.int32), jnp.arange(T, dtype=jnp.int32),
-            jnp.zeros((T, 512), kv_dtype), jnp.zeros((T, 512), jnp.float32),
+    meta = jnp.concatenate([jnp.zeros(T, jnp.int32), jnp.arange(T, dtype=jnp.int32)])
+    args = [jnp.int32(0), meta, jnp.zeros((T, 512), kv_dtype), jnp.zeros((T, 512), jnp.float32),
             jnp.zeros((ape_rows, 512), jnp.float32), jnp.ones(512, jnp.float32),
             jnp.ones(32, jnp.float32), st.block_table, *aliased]
     return args, aliased
@@ -204,7 +204,7 @@ def test_flush_hca_bad_ape(st):
     args, aliased = hca_flush_args(st, ape_rows=4)
     with pytest.raises(Exception, match=r"params.ape: expected shape \[128, 512\], got \[4, 512\]"):
         jax.block_until_ready(call("dsv4_flush_hca", args, aliased,
-                                   {9 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256,
+                                   {8 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256,
                                    max_rows_per_slot=0))
 
 
@@ -212,7 +212,7 @@ def test_flush_hca_bf16_projection_rejected(st):
     args, aliased = hca_flush_args(st, kv_dtype=jnp.bfloat16)
     with pytest.raises(Exception, match=r"kv: expected dtype float32, got bfloat16"):
         jax.block_until_ready(call("dsv4_flush_hca", args, aliased,
-                                   {9 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256,
+                                   {8 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256,
                                    max_rows_per_slot=0))
 
 
@@ -221,7 +221,7 @@ def test_flush_negative_row_bound_rejected(st):
     with pytest.raises(Exception, match=r"max_rows_per_slot: expected >= 0 \(0: no bound\), "
                                         r"got -1"):
         jax.block_until_ready(call("dsv4_flush_hca", args, aliased,
-                                   {9 + i: i for i in range(len(aliased))}, kv_format=0,
+                                   {8 + i: i for i in range(len(aliased))}, kv_format=0,
                                    max_context=256, max_rows_per_slot=-1))
 
 
@@ -237,12 +237,12 @@ def test_flush_csa_missing_indexer_state(st):
     # icomp left out: every later aliased operand shifts by one
     aliased = [st.csa.comp, st.csa.index.packed, st.csa.index.scale, st.errors,
                *jax.tree_util.tree_leaves(st.csa.kv)]
-    args = [jnp.int32(0), jnp.zeros(T, jnp.int32), jnp.arange(T, dtype=jnp.int32), z(T, 1024), z(T, 1024),
-            z(4, 1024), z(512), z(32), z(T, 256), z(T, 256), z(4, 256), z(128), z(32), st.block_table,
+    meta = jnp.concatenate([jnp.zeros(T, jnp.int32), jnp.arange(T, dtype=jnp.int32)])
+    args = [jnp.int32(0), meta, z(T, 1024), z(T, 1024), z(4, 1024), z(512), z(32), z(T, 256), z(T, 256), z(4, 256), z(128), z(32), st.block_table,
             *aliased]
     with pytest.raises(Exception, match=r"csa.icomp: expected dtype float32, got uint8"):
         jax.block_until_ready(call("dsv4_flush_csa", args, aliased,
-                                   {14 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256,
+                                   {13 + i: i for i in range(len(aliased))}, kv_format=0, max_context=256,
                                    max_rows_per_slot=0))
 
 

@@ -495,16 +495,18 @@ def test_ffi_operands_checked_as_append_and_flush_check_them():
     n = 4
     z = lambda *s: jnp.zeros(s, jnp.float32)
 
-    def call(kv=None, ckv=None, drop_leaf=False):
+    def call(kv=None, ckv=None, cscore=None, drop_leaf=False):
         aliased = [st.swa.pos, *jax.tree_util.tree_leaves(st.swa.kv), st.hca.comp, st.errors,
                    *jax.tree_util.tree_leaves(st.hca.kv)][:-1 if drop_leaf else None]
-        args = [jnp.int32(0), jnp.int32(0), jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+        meta = jnp.concatenate([jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32)])
+        args = [jnp.int32(0), jnp.int32(0), meta,
                 jnp.zeros((n, 512), jnp.bfloat16) if kv is None else kv,
-                z(n, 512) if ckv is None else ckv, z(n, 512), p.ape, p.norm, p.inv_freq,
+                z(n, 512) if ckv is None else ckv, z(n, 512) if cscore is None else cscore,
+                p.ape, p.norm, p.inv_freq,
                 st.block_table, *aliased]
         f = jax.ffi.ffi_call("dsv4_write_layer_hca",
                              [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased],
-                             input_output_aliases={11 + i: i for i in range(len(aliased))})
+                             input_output_aliases={10 + i: i for i in range(len(aliased))})
         return jax.block_until_ready(f(*args, kv_format=np.int64(0),
                                        max_context=np.int64(cfg.max_context),
                                        max_rows_per_slot=np.int64(0)))
@@ -514,7 +516,10 @@ def test_ffi_operands_checked_as_append_and_flush_check_them():
     with pytest.raises(Exception, match=r"write_layer_hca: expected 9 aliased buffers .* "
                                         r"got 8 inputs and 8 results"):
         call(drop_leaf=True)
-    with pytest.raises(Exception, match=r"kv: expected shape \[4, 512\], got \[4, 448\]"):
+    with pytest.raises(Exception, match=r"kv: expected shape \[\*, 512\], got \[4, 448\]"):
         call(kv=jnp.zeros((n, 448), jnp.bfloat16))
     with pytest.raises(Exception, match=r"comp_kv: expected dtype float32, got bfloat16"):
         call(ckv=jnp.zeros((n, 512), jnp.bfloat16))
+    # append's rows are kv's, flush's comp_kv's: one step's rows
+    with pytest.raises(Exception, match=r"comp_kv: expected 4 rows \(as kv\), got 3"):
+        call(ckv=z(n - 1, 512), cscore=z(n - 1, 512))

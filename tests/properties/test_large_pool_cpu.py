@@ -37,8 +37,9 @@ def flush_then_gather(num_blocks):
 
     @jax.jit
     def flush(comp, errors, nope, rope, scale):
-        return ffi_in_place("dsv4_flush_hca", [jnp.int32(0), slots, pos, kv, score, ape, norm, inv_freq,
-                                               block_table], [comp, errors, nope, rope, scale],
+        return ffi_in_place("dsv4_flush_hca", [jnp.int32(0), jnp.concatenate([slots, pos]), kv, score,
+                                               ape, norm, inv_freq, block_table],
+                            [comp, errors, nope, rope, scale],
                             max_rows_per_slot=0, **attrs)
 
     flush = jax.jit(flush.__wrapped__, donate_argnums=(0, 1, 2, 3, 4))

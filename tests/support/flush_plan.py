@@ -110,7 +110,8 @@ def call_flush(state, kind, slots, pos, proj, prm, *, target=None, device=None,
     def run(st, layer, slots, pos, proj, prm):
         kv, score, ikv, iscore = proj
         inputs, aliased, rebuild = flush_ffi_operands(st, kind, kv, score, prm, ikv, iscore)
-        return rebuild(ffi_in_place(target, [layer, slots, pos, *inputs], aliased,
+        meta = jnp.concatenate([slots, pos])   # the handlers' token rows (StepMeta.token_fields)
+        return rebuild(ffi_in_place(target, [layer, meta, *inputs], aliased,
                                     kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
                                     max_context=cfg.max_context,
                                     max_rows_per_slot=max_rows_per_slot))

@@ -74,6 +74,25 @@ inline ffi::Error CheckBuffer(const char* name, const ffi::AnyBuffer& b, ffi::Da
   return CheckDims(name, b.dimensions(), std::move(expected));
 }
 
+// The write ops' token rows: `meta` is the step's packed metadata whole
+// (StepMeta.data, dsv4_jax/meta.py), whose first T int32s are token_slot and
+// the next T token_pos. The ops take it whole rather than the two fields:
+// a slice handed to a custom call is a buffer of its own, which XLA fills
+// with a copy before every call (two copy kernels a layer on the GPU).
+inline ffi::Error BindTokenRows(const ffi::AnyBuffer& meta, int64_t T, const int32_t** slot,
+                                const int32_t** pos) {
+  ffi::Error e = CheckBuffer("meta", meta, ffi::DataType::S32, {-1});
+  if (e.failure()) return e;
+  if (meta.dimensions()[0] < 2 * T)
+    return ffi::Error::InvalidArgument(
+        "meta: expected at least 2 * T = " + std::to_string(2 * T) +
+        " int32s (token_slot, then token_pos, of T = " + std::to_string(T) + " rows), got " +
+        std::to_string(meta.dimensions()[0]));
+  *slot = static_cast<const int32_t*>(meta.untyped_data());
+  *pos = *slot + T;
+  return ffi::Error::Success();
+}
+
 // CPU handlers: the layer operand (-1 or out of range = a bad traced layer)
 // counts BAD_LAYER once and the call then changes nothing else.
 inline bool HostLayerOk(const int32_t* layer, int64_t num_layers, int32_t* errors, int64_t* l) {
