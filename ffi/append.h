@@ -23,7 +23,7 @@ struct AppendArgs {
   const int32_t* pos = nullptr;
   const uint16_t* kv = nullptr;    // bf16 bits [T, 512]
   int32_t* swa_pos = nullptr;      // [L, R, 128]
-  int32_t* errors = nullptr;
+  ErrorCounts errors;
   EntryPool pool;                  // [L, R, 128] entries
 };
 
@@ -64,8 +64,7 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
   a.L = swa_pos_in.dimensions()[0];
   a.R = swa_pos_in.dimensions()[1];
   DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos (result)", swa_pos, ffi::DataType::S32, {a.L, a.R, kWindow}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors_in, ffi::DataType::S32, {kNumErrorKinds}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors (result)", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, errors, &a.errors));
   if (num_entry_args != leaves.size())
     return ffi::Error::InvalidArgument("swa.kv: " + std::to_string(num_entry_args) +
                                        " entry inputs but " + std::to_string(leaves.size()) +
@@ -78,7 +77,6 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
   a.pos = static_cast<const int32_t*>(token_pos.untyped_data());
   a.kv = static_cast<const uint16_t*>(kv.untyped_data());
   a.swa_pos = static_cast<int32_t*>(swa_pos.untyped_data());
-  a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
 }

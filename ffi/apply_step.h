@@ -89,7 +89,7 @@ inline ffi::Error ValidateApplyStep(int64_t num_blocks, ffi::Buffer<ffi::S32, 2>
   DSV4_RETURN_IF_ERROR(
       CheckDims("csa.icomp", csa_icomp.dimensions(), {d.Lc, d.R, 2, 3, kIndexDim}));
   DSV4_RETURN_IF_ERROR(CheckDims("hca.comp", hca_comp.dimensions(), {d.Lh, d.R, 1, 3, kHeadDim}));
-  DSV4_RETURN_IF_ERROR(CheckDims("errors", errors.dimensions(), {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(CheckErrorsDims("errors", errors.dimensions()));
   if (pool_rets.size() > static_cast<size_t>(kMaxScrubPools))
     return ffi::Error::InvalidArgument("pools: at most 8 pool buffers, got " +
                                        std::to_string(pool_rets.size()));

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, meta_rows, records_detail
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
@@ -54,7 +54,7 @@ def append_ffi_operands(state: CacheState):
     return [state.swa.pos, *jax.tree_util.tree_leaves(state.swa.kv)], rebuild
 
 
-@records_detail(ErrorOp.APPEND)
+@records_detail(ErrorOp.APPEND, meta_rows)
 def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
            impl: str = "auto") -> CacheState:
     """Write `kv: bf16[T, 512]` (normed and roped by the model) of the step's

@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import config as C
 from .. import reference
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, query_rows, records_detail
 from ..state import CacheState, check_state
 from .dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
@@ -84,7 +84,7 @@ def _check(cfg, kind, q, token_slot, token_pos, sink, topk, chunk_kv, rope_inv_f
         check_array("rope_inv_freq", rope_inv_freq, (C.ROPE_DIM // 2,), jnp.float32)
 
 
-@records_detail(ErrorOp.ATTENTION, state_at=2)
+@records_detail(ErrorOp.ATTENTION, query_rows, state_at=2)
 def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
               token_pos: jax.Array, *, sink: jax.Array, topk: jax.Array | None = None,
               chunk_kv: jax.Array | None = None, rope_inv_freq: jax.Array | None = None,

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, meta_rows, records_detail
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..donation import warn_if_eager
@@ -142,7 +142,7 @@ def flush_ffi_operands(state: CacheState, kind: str, kv, score, params, index_kv
     return inputs + [state.block_table], fixed + [state.errors, *entries], rebuild
 
 
-@records_detail(ErrorOp.FLUSH)
+@records_detail(ErrorOp.FLUSH, meta_rows)
 def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Array,
           params: CompressorParams, *, index_kv: jax.Array | None = None,
           index_score: jax.Array | None = None, impl: str = "auto") -> CacheState:

@@ -93,7 +93,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, query_rows, records_detail
 from ..state import CacheState, check_state
 from .dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
@@ -108,7 +108,7 @@ QUERY_SCRATCH_BYTES = (2 * C.INDEX_HEADS * C.INDEX_DIM + 4 * C.INDEX_HEADS * C.I
                        + 4 * C.INDEX_HEADS)
 
 
-@records_detail(ErrorOp.INDEXER_TOPK, state_at=1)
+@records_detail(ErrorOp.INDEXER_TOPK, query_rows, state_at=1)
 def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
                  q: jax.Array, weights: jax.Array, k: int, *, q_format: str = "mxfp4",
                  impl: str = "auto", return_state: bool = True):

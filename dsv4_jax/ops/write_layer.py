@@ -43,7 +43,7 @@ import jax
 from .. import config as C
 from .. import reference
 from ..donation import warn_if_eager
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, meta_rows, records_detail
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..state import CacheState
@@ -77,7 +77,7 @@ def compressor_operands_given(cfg, layer, comp_kv, comp_score, params, index_kv,
     return compressed
 
 
-@records_detail(ErrorOp.WRITE_LAYER)
+@records_detail(ErrorOp.WRITE_LAYER, meta_rows)
 def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
                 comp_kv: jax.Array | None = None, comp_score: jax.Array | None = None,
                 params: CompressorParams | None = None, *, index_kv: jax.Array | None = None,
