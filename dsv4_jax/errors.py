@@ -115,7 +115,7 @@ class CacheInputError(RuntimeError):
         self.by_shard = by_shard or {}
         self.first = first or {}
         lines = [f"  {kind.name.lower()}: {n} ({_DESCRIPTIONS[kind]})"
-                 + _first_text(self.first.get(kind)) for kind, n in counts.items()]
+                 + _first_text(kind, self.first.get(kind)) for kind, n in counts.items()]
         for shard, (process, kinds) in sorted(self.by_shard.items()):
             lines.append(f"  shard {shard} (process {process}): "
                          + ", ".join(f"{k.name.lower()} {n}" for k, n in kinds.items()))
@@ -136,12 +136,14 @@ class FirstCount(NamedTuple):
     position: int
 
 
-def _first_text(record) -> str:
+def _first_text(kind, record) -> str:
     if record is None:
         return ""
-    where = [record.op.name.lower()]
-    where += [f"{name} {v}" for name, v in (("layer", record.layer), ("slot", record.slot),
-                                            ("position", record.position)) if v >= 0]
+    where = [record.op.name.lower()] + ([] if record.layer < 0 else [f"layer {record.layer}"])
+    if record.slot != -1:               # a row (slot -1 is padding, never counted)
+        where.append(f"slot {record.slot}")
+        if record.position != -1 or kind == ErrorKind.BAD_POSITION:
+            where.append(f"position {record.position}")
     return f"; first counted by {', '.join(where)}" + (
         "" if record.shard is None else f" on shard {record.shard}")
 
