@@ -2,7 +2,7 @@
 // Operands and per-token rules: dsv4_jax/ops/append.py (target "dsv4_append").
 //   attrs kv_format, max_context
 //   args  layer s32[], token_slot s32[T], token_pos s32[T], kv bf16[T,512],
-//         swa.pos s32[L,R,128], errors s32[9], entry leaves [L,R,128,...]
+//         swa.pos s32[L,R,128], errors s32[9] (54 with detail), entry leaves [L,R,128,...]
 //   rets  swa.pos, errors, entry leaves (aliased, same order)
 #pragma once
 

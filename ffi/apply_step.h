@@ -6,7 +6,7 @@
 //   args: new_blocks s32[NB,3] (slot, logical, physical; slot -1 = padding),
 //         reset_slots s32[NR] (-1 = padding), then the aliased state leaves
 //         block_table s32[R,MB], swa_pos s32[L,R,128], csa_comp f32[Lc,R,2,3,512],
-//         csa_icomp f32[Lc,R,2,3,128], hca_comp f32[Lh,R,1,3,512], errors s32[9],
+//         csa_icomp f32[Lc,R,2,3,128], hca_comp f32[Lh,R,1,3,512], errors s32[9] (54 with detail),
 //         and the pools to scrub (any dtype, dims [L?, N, ...]).
 //   rets: the aliased leaves again, in the same order.
 // Semantics: resets first (in order), then new-block rows in order, so a later

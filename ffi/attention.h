@@ -6,7 +6,7 @@
 //         q bf16[T,H,512], token_slot s32[T], token_pos s32[T], topk s32[T,k]
 //         (k = 0 unless CSA), chunk_kv bf16[T or 0,512], sink f32[H],
 //         inv_freq f32[32 or 0], block_table s32[R,MB], swa.pos s32[L,R,128],
-//         errors s32[9], swa.kv entries [L,R,128,...], then the kind's pool
+//         errors s32[9] (54 with detail), swa.kv entries [L,R,128,...], then the kind's pool
 //         entries [Lk,N,32 or 1,...] (none for SWA)
 //   rets  out bf16[T,H,512], lse f32[T,H], errors (aliased when the state is
 //         returned), scratch u8[T * 1040 or 0] (the CUDA kernels' prefill

@@ -17,7 +17,8 @@ namespace dsv4 {
 
 // ---- dsv4_gather_window ---------------------------------------------------------
 //   attrs kv_format
-//   args  layer s32[], slots s32[B], swa.pos s32[L,R,128], errors s32[9], entries [L,R,128,...]
+//   args  layer s32[], slots s32[B], swa.pos s32[L,R,128], errors s32[9] (54 with detail),
+//         entries [L,R,128,...]
 //   rets  kv bf16[B,128,512], pos s32[B,128], errors
 struct GatherWindowArgs {
   int64_t B = 0, L = 0, R = 0;
@@ -96,7 +97,7 @@ inline ffi::Error ValidateGatherWindow(int64_t kv_format, ffi::AnyBuffer layer, 
 // ---- dsv4_gather_topk -------------------------------------------------------------
 //   attrs kv_format
 //   args  layer s32[] (CSA index), token_slot s32[T], token_pos s32[T], indices s32[T,k],
-//         block_table s32[R,MB], errors s32[9], entries [Lc,N,32,...]
+//         block_table s32[R,MB], errors s32[9] (54 with detail), entries [Lc,N,32,...]
 //   rets  kv bf16[T,k,512], valid bool[T,k], errors
 struct GatherTopkArgs {
   int64_t T = 0, K = 0, R = 0, MB = 0, L = 0, N = 0, per_block = 0;
@@ -160,7 +161,7 @@ inline ffi::Error ValidateGatherTopk(int64_t kv_format, ffi::AnyBuffer layer, ff
 // ---- dsv4_gather_all ------------------------------------------------------------------
 //   attrs kv_format, max_context
 //   args  layer s32[] (HCA index), slots s32[B], lengths s32[B], block_table s32[R,MB],
-//         errors s32[9], entries [Lh,N,1,...]
+//         errors s32[9] (54 with detail), entries [Lh,N,1,...]
 //   rets  kv bf16[B,E,512], count s32[B], errors
 struct GatherAllArgs {
   int64_t B = 0, E = 0, R = 0, MB = 0, L = 0, N = 0, max_context = 0;

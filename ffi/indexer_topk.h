@@ -2,7 +2,8 @@
 // CUDA handlers. Rules and arithmetic: dsv4_jax/ops/indexer.py and
 // dsv4/indexer.h.
 //   args  layer s32[] (CSA index, -1 = bad), token_slot s32[T], token_pos s32[T],
-//         q bf16[T,64,128], weights f32[T,64], block_table s32[R,MB], errors s32[9],
+//         q bf16[T,64,128], weights f32[T,64], block_table s32[R,MB],
+//         errors s32[9] (54 with detail),
 //         index.packed u8[Lc,N,32,64], index.scale e8m0[Lc,N,32,4]
 //   rets  indices s32[T,k], scratch u32[T,MB*32] (rank keys; working memory),
 //         qscratch u8[T,Q] (the MXFP4 query: Q = kQueryScratchBytes for

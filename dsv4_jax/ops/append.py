@@ -4,7 +4,7 @@
 FFI target "dsv4_append" (operands in this order):
   attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128)
   args   layer i32[] (global index, -1 = bad), token_slot i32[T], token_pos i32[T],
-         kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[9],
+         kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[9] (54 with detail),
          swa.kv.nope, swa.kv.rope[, swa.kv.scale]  (scale absent for bf16)
   rets   the aliased buffers, same order.
 Per token: slot -1 is padding; slot outside [0, R) -> BAD_SLOT; pos < 0 or

@@ -13,7 +13,7 @@ the entry leaves nope, rope[, scale] come last, scale absent for bf16):
 "dsv4_gather_window"
   attrs  kv_format
   args   layer i32[] (global, -1 = bad), slots i32[B], swa.pos i32[L, R, 128],
-         errors i32[9], swa.kv entries
+         errors i32[9] (54 with detail), swa.kv entries
   rets   kv bf16[B, 128, 512], pos i32[B, 128], errors
   Ring-slot order; slot -1 -> zero rows and pos -1 (no error); slot outside
   [0, R) -> BAD_SLOT, same output; ring slots with pos -1 -> zero rows.

@@ -75,7 +75,7 @@ form. On the GPU the dot products run on the int8 tensor cores.
 FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
   args  layer i32[] (CSA index, -1 = bad), token_slot i32[T], token_pos i32[T],
         q bf16[T, 64, 128], weights f32[T, 64], block_table i32[R, MB],
-        errors i32[9], csa.index.packed u8[Lc, N, 32, 64],
+        errors i32[9] (54 with detail), csa.index.packed u8[Lc, N, 32, 64],
         csa.index.scale e8m0[Lc, N, 32, 4]
   rets  indices i32[T, k], scratch u32[T, MB * 32] (per-entry rank keys; the
         handlers' working memory, discarded), qscratch u8[T, 17664] for

@@ -22,7 +22,7 @@ FFI targets (operands in this order):
          index_ape f32[4, 256], index_norm f32[128], index_inv_freq f32[32],
          block_table i32[R, MB],
          then the aliased: swa.pos i32[L, R, 128], swa.kv.nope, swa.kv.rope[, swa.kv.scale],
-         csa.comp, csa.icomp, csa.index.packed, csa.index.scale, errors i32[9],
+         csa.comp, csa.icomp, csa.index.packed, csa.index.scale, errors i32[9] (54 with detail),
          csa.kv.nope, csa.kv.rope[, csa.kv.scale]
   rets   the aliased buffers, same order.
 "dsv4_write_layer_hca"
