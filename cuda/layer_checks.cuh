@@ -40,12 +40,15 @@ __device__ __forceinline__ bool LayerOk(const int32_t* layer, int64_t L, const E
 __device__ __forceinline__ void WarpCount(const ErrorCounts& errors, int kind, int n,
                                           int64_t row) {
   row = n != 0 ? row : kNoRow;
+  if (errors.first_row != nullptr) {  // the smallest row only with error detail
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    n += __shfl_xor_sync(kFull, n, off);
-    const int64_t other = __shfl_xor_sync(kFull, row, off);
-    row = other < row ? other : row;
+    for (int off = 16; off > 0; off >>= 1) {
+      const int64_t other = __shfl_xor_sync(kFull, row, off);
+      row = other < row ? other : row;
+    }
   }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) n += __shfl_xor_sync(kFull, n, off);
   if ((threadIdx.x & 31) == 0 && n != 0) CountErrorAtomic(errors, kind, row, n);
 }
 
