@@ -98,15 +98,16 @@ struct Cluster {
 // run or starts a second run of its slot.
 struct ShapeCheck {
   int bad = 0, bad_slot = 0, bad_pos = 0;
+  int64_t first_bad_slot = kNoRow, first_bad_pos = kNoRow;  // rows come in increasing order
 
   __device__ __forceinline__ void Row(const AppendArgs& a, const Cluster& c, uint32_t* bitmap,
-                                      bool use_bitmap, int32_t s, int32_t p, int32_t prev_s,
-                                      int32_t prev_p) {
+                                      bool use_bitmap, int64_t t, int32_t s, int32_t p,
+                                      int32_t prev_s, int32_t prev_p) {
     if (s < 0 || s >= a.R) {  // padding (also past the block's rows) and bad slots end runs
-      bad_slot += s != -1;
+      if (s != -1 && bad_slot++ == 0) first_bad_slot = t;
       return;
     }
-    bad_pos += p < 0 || p >= a.max_context;
+    if ((p < 0 || p >= a.max_context) && bad_pos++ == 0) first_bad_pos = t;
     if (prev_s == s) {
       bad |= int64_t{p} != int64_t{prev_p} + 1;
     } else if (use_bitmap) {  // a run of slot s starts here
@@ -156,14 +157,14 @@ __device__ inline bool CallIsGrouped(const AppendArgs& a, const AppendPlan& plan
       for (int k = 0; k < kGroup; ++k) {
         const int32_t sk = Lane4(s[j], k), pk = Lane4(p[j], k);
         // rows of the first group that precede the block's own: predecessors only
-        if (r + k >= begin) check.Row(a, c, bitmap, use_bitmap, sk, pk, prev_s, prev_p);
+        if (r + k >= begin) check.Row(a, c, bitmap, use_bitmap, r + k, sk, pk, prev_s, prev_p);
         prev_s = sk, prev_p = pk;
       }
     }
   }
   if (counts) {
-    cuda::WarpCount(a.errors, kBadSlot, check.bad_slot);
-    cuda::WarpCount(a.errors, kBadPosition, check.bad_pos);
+    cuda::WarpCount(a.errors, kBadSlot, check.bad_slot, check.first_bad_slot);
+    cuda::WarpCount(a.errors, kBadPosition, check.bad_pos, check.first_bad_pos);
   }
   if (__syncthreads_or(check.bad) && tid == 0)
     for (unsigned r = 0; r < c.size; ++r) atomicOr(c.Map(&sh.out_of_shape, r), 1);
@@ -208,6 +209,7 @@ __device__ inline void AppendGrouped(const AppendArgs& a, int64_t l, unsigned bl
                                      unsigned blocks, Token first) {
   const int64_t stride = int64_t{blocks} * kWarps;
   int nonfinite = 0;
+  int64_t first_nonfinite = kNoRow;  // a warp's tokens come in increasing order
   Token cur = first;
   for (int64_t t = int64_t{block} * kWarps + (threadIdx.x >> 5); t < a.T; t += stride) {
     Token next;
@@ -215,7 +217,7 @@ __device__ inline void AppendGrouped(const AppendArgs& a, int64_t l, unsigned bl
     const int32_t s = cur.s, p = cur.p;
     if (s >= 0 && s < a.R && p >= 0 && p < a.max_context) {
       const bool finite = WarpFinite(cur.row);
-      nonfinite += !finite;
+      if (!finite && nonfinite++ == 0) first_nonfinite = t;
       // 128 rows on, the same slot is the same run, at position p + 128
       const bool highest = !(cur.s_next == s && int64_t{p} + kWindow < a.max_context);
       if (highest && finite) WriteEntry(a, l, s, p, cur.row);
@@ -223,7 +225,8 @@ __device__ inline void AppendGrouped(const AppendArgs& a, int64_t l, unsigned bl
     }
     cur = next;
   }
-  if ((threadIdx.x & 31) == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
+  if ((threadIdx.x & 31) == 0 && nonfinite != 0)
+    cuda::CountErrorAtomic(a.errors, kNonfinite, first_nonfinite, nonfinite);
 }
 
 // ---- any order -------------------------------------------------------------------------
@@ -256,6 +259,7 @@ __device__ inline void AppendAnyOrder(const AppendArgs& a, const AppendPlan& pla
   __syncthreads();
   const int first_pass = sh.first_pass, last_pass = sh.last_pass;
   int nonfinite = 0;
+  int64_t first_nonfinite = kNoRow;
   for (int q = first_pass; q <= last_pass; ++q) {
     for (int64_t i = tid; i < cap; i += kThreads) table[i] = 0ull;
     __syncthreads();
@@ -279,6 +283,7 @@ __device__ inline void AppendAnyOrder(const AppendArgs& a, const AppendPlan& pla
           const int i = __shfl_sync(cuda::kFull, idx[j], src);
           if (!WarpFinite(LoadRow(a, t))) {
             ++nonfinite;
+            first_nonfinite = t < first_nonfinite ? t : first_nonfinite;
             continue;
           }
           if (lane == 0)
@@ -301,7 +306,8 @@ __device__ inline void AppendAnyOrder(const AppendArgs& a, const AppendPlan& pla
     }
     __syncthreads();
   }
-  if (lane == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
+  if (lane == 0 && nonfinite != 0)
+    cuda::CountErrorAtomic(a.errors, kNonfinite, first_nonfinite, nonfinite);
 }
 
 // ---- the role ----------------------------------------------------------------------------

@@ -136,11 +136,11 @@ __device__ inline void ScanToken(const AppendArgs& a, const StagedCall& call, in
   const int lane = threadIdx.x & 31;
   const bool slot_ok = s >= 0 && s < a.R, valid = slot_ok && p >= 0 && p < a.max_context;
   if (!valid) {  // counted once, by the token's own warp (warp-uniform)
-    if (lane == 0 && s != -1) atomicAdd(&a.errors[slot_ok ? kBadPosition : kBadSlot], 1);
+    if (lane == 0 && s != -1) cuda::CountErrorAtomic(a.errors, slot_ok ? kBadPosition : kBadSlot, t);
     return;
   }
   if (!WarpFinite(row)) {
-    if (lane == 0) atomicAdd(&a.errors[kNonfinite], 1);
+    if (lane == 0) cuda::CountErrorAtomic(a.errors, kNonfinite, t);
     return;
   }
   const bool beaten =

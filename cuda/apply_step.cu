@@ -11,6 +11,7 @@
 
 #include "apply_step.h"
 #include "handlers_cuda.h"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace {
@@ -25,12 +26,12 @@ __device__ bool ValidRow(const int32_t* rows, int64_t i, const ApplyStepDims& d)
 
 __global__ void BlockTableKernel(ApplyStepDims d, const int32_t* __restrict__ rows,
                                  const int32_t* __restrict__ resets, int32_t* block_table,
-                                 int32_t* errors) {
+                                 ErrorCounts errors) {
   for (int64_t i = threadIdx.x; i < d.NR; i += blockDim.x) {
     int64_t s = resets[i];
     if (s == -1) continue;
     if (s < 0 || s >= d.R) {
-      atomicAdd(&errors[kBadSlot], 1);
+      cuda::CountErrorAtomic(errors, kBadSlot, i);
       continue;
     }
     for (int64_t j = 0; j < d.MB; ++j) block_table[s * d.MB + j] = -1;
@@ -40,11 +41,11 @@ __global__ void BlockTableKernel(ApplyStepDims d, const int32_t* __restrict__ ro
     int64_t s = rows[3 * i];
     if (s == -1) continue;
     if (s < 0 || s >= d.R) {
-      atomicAdd(&errors[kBadSlot], 1);
+      cuda::CountErrorAtomic(errors, kBadSlot, d.NR + i);  // error rows: the resets, then the new blocks
       continue;
     }
     if (!ValidRow(rows, i, d)) {
-      atomicAdd(&errors[kBadBlockAssignment], 1);
+      cuda::CountErrorAtomic(errors, kBadBlockAssignment, d.NR + i);
       continue;
     }
     int64_t logical = rows[3 * i + 1];
@@ -115,7 +116,8 @@ ffi::Error ApplyStepImpl(cudaStream_t stream, int64_t num_blocks,
   BlockTableKernel<<<1, kTableThreads, 0, stream>>>(d, new_blocks.typed_data(),
                                                     reset_slots.typed_data(),
                                                     block_table->typed_data(),
-                                                    errors->typed_data());
+                                                    ErrorCountsAt(errors->typed_data(),
+                                                                  errors->dimensions()[0]));
   dim3 grid(32, static_cast<unsigned>(d.NR + d.NB));
   ResetAndScrubKernel<<<grid, 256, 0, stream>>>(
       d, new_blocks.typed_data(), reset_slots.typed_data(), swa_pos->typed_data(),

@@ -11,6 +11,7 @@
 #include "attention.h"
 #include "bf16_chunks.cuh"
 #include "entry_warp.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace cuda {
@@ -41,10 +42,11 @@ struct LoadReadOnly {
 
 // Counts a dropped item in state.errors when `counts` (one CTA an item counts).
 struct CountOnDevice {
-  int32_t* errors;
+  ErrorCounts errors;
   bool counts;
+  int64_t t;  // the query's row
   __device__ __forceinline__ void operator()(int err) const {
-    if (counts) atomicAdd(&errors[err], 1);
+    if (counts) CountErrorAtomic(errors, err, t);
   }
 };
 
@@ -76,7 +78,7 @@ struct AttnToken {
 __device__ __forceinline__ bool AttnBeginToken(const AttentionArgs& a, int64_t t,
                                                bool counts_layer, AttnToken* k) {
   const bool layer_ok = AttnLayerOk(a, &k->l, &k->lk);
-  if (!layer_ok && counts_layer) atomicAdd(&a.errors[kBadLayer], 1);
+  if (!layer_ok && counts_layer) CountErrorAtomic(a.errors, kBadLayer, kNoRow);
   if (t >= a.T) return false;
   k->s = __ldg(a.slot + t);
   k->p = __ldg(a.pos + t);
@@ -193,7 +195,7 @@ __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l
     *e = AttnRingEntry(a, l, s, w);
     *src = kFromRing;
     const bool held = __ldg(a.swa_pos + *e) == w;
-    if (!held && counts) atomicAdd(&a.errors[kStaleWindow], 1);
+    if (!held && counts) CountErrorAtomic(a.errors, kStaleWindow, t);
     return held;
   }
   it -= kWindow;
@@ -210,7 +212,7 @@ __device__ __forceinline__ bool AttnDecideItem(const AttentionArgs& a, int64_t l
     }
     it -= a.T;
   }
-  if (!AttnCompressedItem(a, lk, t, s, p, it, LoadReadOnly(), CountOnDevice{a.errors, counts}, e))
+  if (!AttnCompressedItem(a, lk, t, s, p, it, LoadReadOnly(), CountOnDevice{a.errors, counts, t}, e))
     return false;
   *src = kFromPool;
   return true;

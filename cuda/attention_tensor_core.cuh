@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     err = kNonfinite;
     live = false;
   }
-  if (first && tid == 0 && err >= 0) atomicAdd(&a.errors[err], 1);
+  if (first && tid == 0 && err >= 0) CountErrorAtomic(a.errors, err, t);
   if (!live) {                                   // every CTA of the cluster drops it
     AttnWriteDropped(a, t, h0, split == 0);
     return;

@@ -397,10 +397,11 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     TokenIn nin;
     if (tn < a.T) nin = load(tn, in.ep + 1);
     const TokenIn cin = in;
+    const int64_t ct = t;  // cin's row
     t = tn;
     in = nin;
     if (!cin.gates) {  // expected position outside [0, max_context): nothing to close
-      if (kEntry && c == 0) atomicAdd(&a.errors[kBadPosition], 1);
+      if (kEntry && c == 0) cuda::CountErrorAtomic(a.errors, kBadPosition, ct);
       continue;
     }
     touched = true;
@@ -408,7 +409,7 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
     const int64_t block = cin.table >= 0 && cin.table < a.N ? cin.table : -1;
     bool fold = err < 0;
     if (!fold) {
-      if (kEntry && c == 0) atomicAdd(&a.errors[err], 1);
+      if (kEntry && c == 0) cuda::CountErrorAtomic(a.errors, err, ct);
     } else {
       // NaN/Inf anywhere in the row's inputs drops it: each thread checks the
       // channels it loaded, the block decides together (err is uniform).
@@ -419,7 +420,7 @@ __device__ void WalkRequest(const FlushArgs& a, int64_t l, int64_t s, int64_t t0
                        num::IsFinite(cin.isa) && num::IsFinite(cin.iva));
       }
       if (__syncthreads_or(bad)) {
-        if (kEntry && c == 0) atomicAdd(&a.errors[kNonfinite], 1);
+        if (kEntry && c == 0) cuda::CountErrorAtomic(a.errors, kNonfinite, ct);
         fold = false;
       }
     }
@@ -467,10 +468,8 @@ __device__ void WalkRanked(const FlushArgs& a, int64_t l, unsigned block, unsign
                            FlushShared& sh, int32_t my_slot) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const bool valid = my_slot >= 0 && my_slot < a.R;
-  if (HasEntry(kPart) && block == 0) {
-    const int bad = __syncthreads_count(my_slot != -1 && !valid);
-    if (t == 0 && bad != 0) atomicAdd(&a.errors[kBadSlot], bad);
-  }
+  if (HasEntry(kPart) && block == 0)  // block-uniform: every lane of each warp counts
+    cuda::WarpCount(a.errors, kBadSlot, my_slot != -1 && !valid, t);
   // the staged slots live in the epilogue's buffer until the first walk
   int32_t* slots_s = reinterpret_cast<int32_t*>(sh.x);
   static_assert(kHeadDim >= kThreads, "a slot a thread in sh.x");
@@ -531,7 +530,7 @@ __device__ void FlushBlock(const FlushArgs& a, unsigned block, unsigned blocks, 
     const int64_t s = t0 == first ? s_first : __ldg(a.slot + t0);
     if (s == -1) continue;
     if (s < 0 || s >= a.R) {
-      if (kCounts && threadIdx.x == 0) atomicAdd(&a.errors[kBadSlot], 1);
+      if (kCounts && threadIdx.x == 0) cuda::CountErrorAtomic(a.errors, kBadSlot, t0);
       continue;
     }
     if (masked) {

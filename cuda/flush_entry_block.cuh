@@ -92,6 +92,7 @@ __device__ void RunEntry(const FlushArgs& a, int64_t l, int64_t s, int64_t t_ref
     if (ich) iacc = Acc3{iacc_base.base + j.carried * 3 * kIndexDim, kIndexDim}.Load(c);
   }
   int missing = 0, nonfinite = 0;  // thread 0's counts of the b rows
+  int64_t first_missing = kNoRow, first_nonfinite = kNoRow;  // and the first rows, q increasing
   for (int64_t q0 = j.rows.lo; q0 <= j.rows.hi; q0 += kBatchRows) {
     RowIn in[kBatchRows];
     uint32_t bad = 0u;
@@ -109,17 +110,18 @@ __device__ void RunEntry(const FlushArgs& a, int64_t l, int64_t s, int64_t t_ref
       const int64_t block = __ldg(a.block_table + s * a.MB + q / kBlockTokens);
       const bool counts = q >= j.b_from && c == 0;
       if (block < 0 || block >= a.N) {
-        missing += counts;
+        if (counts && missing++ == 0) first_missing = t_ref + (q - p_ref);
       } else if ((bad >> i) & 1u) {
-        nonfinite += counts;
+        if (counts && nonfinite++ == 0) first_nonfinite = t_ref + (q - p_ref);
       } else {
         acc = num::AccumulateAcc(acc, in[i].z, in[i].v);
         if (ich) iacc = num::AccumulateAcc(iacc, in[i].iz, in[i].iv);
       }
     }
   }
-  if (c == 0 && missing != 0) atomicAdd(&a.errors[kMissingBlock], missing);
-  if (c == 0 && nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
+  if (c == 0 && missing != 0) cuda::CountErrorAtomic(a.errors, kMissingBlock, first_missing, missing);
+  if (c == 0 && nonfinite != 0)
+    cuda::CountErrorAtomic(a.errors, kNonfinite, first_nonfinite, nonfinite);
   if (j.acc >= 0) {  // stays open: accumulator j.acc after the call
     Acc3{acc_base.base + j.acc * 3 * kHeadDim, kHeadDim}.Store(c, acc);
     if (ich) Acc3{iacc_base.base + j.acc * 3 * kIndexDim, kIndexDim}.Store(c, iacc);

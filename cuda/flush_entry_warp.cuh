@@ -191,6 +191,7 @@ __device__ __noinline__ void RunEntryWarp(const FlushArgs& a, int64_t l, int64_t
     }
   }
   int missing = 0, nonfinite = 0;  // lane 0's counts of the b rows
+  int64_t first_missing = kNoRow, first_nonfinite = kNoRow;  // and the first rows, q increasing
   int64_t block = -1, block_of = -1;
   for (int64_t q = j.rows.lo; q <= j.rows.hi; ++q) {
     if (q / kBlockTokens != block_of) {
@@ -199,13 +200,13 @@ __device__ __noinline__ void RunEntryWarp(const FlushArgs& a, int64_t l, int64_t
     }
     const bool counts = q >= j.b_from && lane == 0;
     if (block < 0 || block >= a.N) {
-      missing += counts;
+      if (counts && missing++ == 0) first_missing = t_ref + (q - p_ref);
       continue;
     }
     WarpRow r;
     LoadWarpRow<kCsa>(a, t_ref + (q - p_ref), q, q >= j.b_from, r);
     if (!r.finite) {
-      nonfinite += counts;
+      if (counts && nonfinite++ == 0) first_nonfinite = t_ref + (q - p_ref);
       continue;
     }
 #pragma unroll
@@ -215,8 +216,8 @@ __device__ __noinline__ void RunEntryWarp(const FlushArgs& a, int64_t l, int64_t
       for (int i = 0; i < kLaneIch; ++i) iacc[i] = num::AccumulateAcc(iacc[i], r.iz[i], r.iv[i]);
     }
   }
-  if (missing != 0) atomicAdd(&a.errors[kMissingBlock], missing);
-  if (nonfinite != 0) atomicAdd(&a.errors[kNonfinite], nonfinite);
+  if (missing != 0) cuda::CountErrorAtomic(a.errors, kMissingBlock, first_missing, missing);
+  if (nonfinite != 0) cuda::CountErrorAtomic(a.errors, kNonfinite, first_nonfinite, nonfinite);
   if (j.acc >= 0) {  // stays open: accumulator j.acc after the call
     // the request's entries that read the carried rows go first (`ready`
     // counts those of them done, `need` of them in all)

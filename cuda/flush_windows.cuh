@@ -249,6 +249,7 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
   const int64_t begin = a.T * block / blocks, end = a.T * (block + 1) / blocks;
   const int warp = threadIdx.x >> 5;
   int bad_slot = 0;
+  int64_t first_bad_slot = kNoRow;  // a thread's rows come in increasing order
   // rows a round: each queues at most one item (four for a planned CSA
   // request's first row, which has more than four rows), so the list holds
   // a round's items
@@ -260,7 +261,7 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
     if (t < end) {
       const int64_t s = __ldg(a.slot + t);
       if (s != -1 && (s < 0 || s >= a.R)) {
-        ++bad_slot;
+        if (bad_slot++ == 0) first_bad_slot = t;
       } else if (s >= 0) {
         const int role = RowRole<kCsa>(a, irregular, long_run, s, t);
         if (role >= 0) QueueRow<kCsa>(a, s, t, role, ps);
@@ -289,7 +290,7 @@ __device__ void FlushPlanBlock(const FlushArgs& a, unsigned block, unsigned bloc
     }
     __syncthreads();  // the list is rewritten next round
   }
-  cuda::WarpCount(a.errors, kBadSlot, bad_slot);
+  cuda::WarpCount(a.errors, kBadSlot, bad_slot, first_bad_slot);
 }
 
 template <bool kCsa>

@@ -8,6 +8,7 @@
 #include "handlers_cuda.h"
 #include "gather_rows.cuh"
 #include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace {
@@ -18,7 +19,7 @@ __global__ void __launch_bounds__(kThreads) GatherAllKernel(GatherAllArgs a) {
   const int lane = threadIdx.x & 31;
   const int64_t l = __ldg(a.layer);
   const bool layer_ok = l >= 0 && l < a.L;
-  if (!layer_ok && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&a.errors[kBadLayer], 1);
+  if (!layer_ok && blockIdx.x == 0 && threadIdx.x == 0) cuda::CountErrorAtomic(a.errors, kBadLayer, kNoRow);
   cuda::GatherRows(a.pool, a.out_kv, a.B * a.E, [&](int64_t row) -> int64_t {
     const int64_t b = row / a.E, i = row % a.E;
     int64_t e = -1, n = 0;
@@ -40,7 +41,7 @@ __global__ void __launch_bounds__(kThreads) GatherAllKernel(GatherAllArgs a) {
       }
     }
     if (lane == 0) {
-      if (err >= 0) atomicAdd(&a.errors[err], 1);
+      if (err >= 0) cuda::CountErrorAtomic(a.errors, err, b);
       if (i == 0) a.count[b] = static_cast<int32_t>(n);
     }
     return e;

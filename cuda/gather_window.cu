@@ -7,6 +7,7 @@
 #include "handlers_cuda.h"
 #include "gather_rows.cuh"
 #include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace {
@@ -17,12 +18,12 @@ __global__ void __launch_bounds__(kThreads) GatherWindowKernel(GatherWindowArgs 
   const int lane = threadIdx.x & 31;
   const int64_t l = __ldg(a.layer);
   const bool layer_ok = l >= 0 && l < a.L;
-  if (!layer_ok && blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&a.errors[kBadLayer], 1);
+  if (!layer_ok && blockIdx.x == 0 && threadIdx.x == 0) cuda::CountErrorAtomic(a.errors, kBadLayer, kNoRow);
   cuda::GatherRows(a.pool, a.out_kv, a.B * kWindow, [&](int64_t row) -> int64_t {
     const int64_t b = row / kWindow, r = row % kWindow;
     int64_t s = layer_ok ? __ldg(a.slots + b) : -1;
     if (s != -1 && (s < 0 || s >= a.R)) {
-      if (r == 0 && lane == 0) atomicAdd(&a.errors[kBadSlot], 1);
+      if (r == 0 && lane == 0) cuda::CountErrorAtomic(a.errors, kBadSlot, b);
       s = -1;
     }
     int64_t e = -1;

@@ -72,7 +72,8 @@ class CacheConfig:
     num_shards, shard_axis  set by `dsv4_jax.sharding.shard_config`; R and N
                             are then global, split evenly over the shards
     error_detail            also record, per error kind, the op and layer that
-                            counted it first (`state.errors` three times as
+                            counted it first and the slot and position of
+                            the row it dropped (`state.errors` six times as
                             long; `check_errors` shows it): cheap, opt-in
 
     Frozen and hashable, so it can be a static argument of `jax.jit`; it is

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +33,46 @@ class ErrorKind(enum.IntEnum):
 
 
 NUM_ERROR_KINDS = len(ErrorKind)
-DETAIL_FIELDS = 2            # with error detail, per kind: the op and the layer that counted it first
+
+# With error detail each shard's row holds, after the K counters, these
+# fields of K words each (docs/design/bad-input.md). FIRST_ROW is what the
+# handlers write: the smallest input row each kind dropped in the op now
+# running (NO_ROW: none, or a kind not tied to a row); the op's wrapper turns
+# it into the record (op, layer, slot, position) of the kind's first count.
+FIRST_ROW, OP, LAYER, SLOT, POSITION = range(5)
+DETAIL_FIELDS = 5
+NO_ROW = np.iinfo(np.int32).max
 
 
 def errors_row(config) -> int:
     """int32s of one shard's row of `state.errors`."""
     return NUM_ERROR_KINDS * (1 + DETAIL_FIELDS if config.error_detail else 1)
+
+
+def detail_field(row, field: int):
+    """One detail field (FIRST_ROW, OP, ...) of a shard's errors row: its K
+    words, by kind (`row` numpy or jnp, its last axis the row)."""
+    start = NUM_ERROR_KINDS * (1 + field)
+    return row[..., start:start + NUM_ERROR_KINDS]
+
+
+def add_counts(errors, counts: dict):
+    """`errors` (one shard's row) plus per-row counts `{kind: mask}`, each a
+    bool array whose first axis is the op's input row (trailing axes: several
+    counts a row). With error detail (a row longer than the counters) each
+    kind's FIRST_ROW also takes the smallest row counted, as the handlers'
+    CountError does; without it only the counters change, as always."""
+    K = NUM_ERROR_KINDS
+    detail = errors.shape[0] > K
+    for kind, mask in counts.items():
+        mask = jnp.asarray(mask)
+        errors = errors.at[int(kind)].add(jnp.sum(mask, dtype=jnp.int32))
+        if detail and mask.ndim:
+            hit = jnp.any(mask.reshape(mask.shape[0], -1), axis=1)
+            rows = jnp.where(hit, jnp.arange(mask.shape[0], dtype=jnp.int32), NO_ROW)
+            at = K * (1 + FIRST_ROW) + int(kind)
+            errors = errors.at[at].min(jnp.min(rows, initial=NO_ROW))
+    return errors
 
 
 _DESCRIPTIONS = {
@@ -64,10 +99,14 @@ class CacheInputError(RuntimeError):
     `by_shard` (sharded states) maps each shard with a non-zero counter to
     (the process that holds it, its counts), so a multi-process run says which
     process saw what. `first` (for a state made with
-    `CacheConfig(error_detail=True)`) maps each kind to (shard, op, layer)
-    of its first count: the op (an `ErrorOp`) and the global layer (-1: an
-    op without one) that counted it first, on the lowest shard that counted
-    it (shard None: an unsharded state)."""
+    `CacheConfig(error_detail=True)`) maps each kind to a `FirstCount`
+    (shard, op, layer, slot, position) of its first count: the op (an
+    `ErrorOp`) that counted it first, on the lowest shard that counted it
+    (shard None: an unsharded state), its global layer (-1: an op without
+    one), and the slot and position of the smallest input row it dropped
+    of that kind (as the op got them, shard-local slots when sharded; -1:
+    a kind not tied to a row, such as BAD_LAYER, or an op whose rows have no
+    position)."""
 
     def __init__(self, counts: dict[ErrorKind, int],
                  by_shard: dict[int, tuple[int, dict[ErrorKind, int]]] | None = None,
@@ -76,7 +115,7 @@ class CacheInputError(RuntimeError):
         self.by_shard = by_shard or {}
         self.first = first or {}
         lines = [f"  {kind.name.lower()}: {n} ({_DESCRIPTIONS[kind]})"
-                 + _first_text(self.first.get(kind)) for kind, n in counts.items()]
+                 + _first_text(kind, self.first.get(kind)) for kind, n in counts.items()]
         for shard, (process, kinds) in sorted(self.by_shard.items()):
             lines.append(f"  shard {shard} (process {process}): "
                          + ", ".join(f"{k.name.lower()} {n}" for k, n in kinds.items()))
@@ -88,12 +127,25 @@ def _nonzero(row) -> dict[ErrorKind, int]:
     return {ErrorKind(i): int(v) for i, v in enumerate(row[:NUM_ERROR_KINDS]) if v}
 
 
-def _first_text(record) -> str:
+class FirstCount(NamedTuple):
+    """Where a kind was first counted (`CacheInputError.first`)."""
+    shard: int | None
+    op: ErrorOp
+    layer: int
+    slot: int
+    position: int
+
+
+def _first_text(kind, record) -> str:
     if record is None:
         return ""
-    shard, op, layer = record
-    where = f"{op.name.lower()}" + ("" if layer < 0 else f", layer {layer}")
-    return f"; first counted by {where}" + ("" if shard is None else f" on shard {shard}")
+    where = [record.op.name.lower()] + ([] if record.layer < 0 else [f"layer {record.layer}"])
+    if record.slot != -1:               # a row (slot -1 is padding, never counted)
+        where.append(f"slot {record.slot}")
+        if record.position != -1 or kind == ErrorKind.BAD_POSITION:
+            where.append(f"position {record.position}")
+    return f"; first counted by {', '.join(where)}" + (
+        "" if record.shard is None else f" on shard {record.shard}")
 
 
 def _row_length(state_or_errors) -> int:
@@ -120,19 +172,18 @@ def _shard_rows(state_or_errors) -> dict[int, tuple[int, np.ndarray]]:
 
 
 def _first_records(state_or_errors, rows) -> dict:
-    """{ErrorKind: (shard or None, ErrorOp, layer)}: the lowest shard's
-    record of each kind, for a state with error detail."""
+    """{ErrorKind: FirstCount}: the lowest shard's record of each kind, for
+    a state with error detail."""
     config = getattr(state_or_errors, "config", None)
     if config is None or not config.error_detail:
         return {}
-    K = NUM_ERROR_KINDS
     out = {}
     for shard, (_, row) in sorted(rows.items()):
-        for k in range(K):
-            op = int(row[K + k])
-            if row[k] and op and ErrorKind(k) not in out:
-                out[ErrorKind(k)] = (shard if config.sharded else None, ErrorOp(op),
-                                     int(row[2 * K + k]))
+        op, layer, slot, position = (detail_field(row, f) for f in (OP, LAYER, SLOT, POSITION))
+        for k in range(NUM_ERROR_KINDS):
+            if row[k] and op[k] and ErrorKind(k) not in out:
+                out[ErrorKind(k)] = FirstCount(shard if config.sharded else None, ErrorOp(int(op[k])),
+                                               int(layer[k]), int(slot[k]), int(position[k]))
     return out
 
 
@@ -167,8 +218,9 @@ def check_errors(state_or_errors) -> None:
     over its shards and also listed per shard with the process that holds
     each; in a multi-process run each process checks its own shards (call it
     on every process). A state made with `CacheConfig(error_detail=True)`
-    also says which op and layer counted each kind first (pass the state,
-    not its errors array, for that)."""
+    also says, per kind, the op and layer that counted it first and the
+    slot and position of the row it dropped (pass the state, not its errors
+    array, for that)."""
     rows = _shard_rows(state_or_errors)
     by_shard = {k: (process, _nonzero(row)) for k, (process, row) in rows.items()}
     by_shard = {k: v for k, v in by_shard.items() if v[1]}

@@ -37,7 +37,7 @@ import numpy as np
 
 from . import config as C
 from .error_detail import ErrorOp, records_detail
-from .errors import ErrorKind
+from .errors import ErrorKind, add_counts
 from .meta import StepMeta
 from .ops import copy_rows
 from .ops.dispatch import check_array
@@ -213,7 +213,7 @@ def _commit_body(st: CacheState, meta: StepMeta, ids, rows, accepted, drafts: in
     table = st.block_table.at[jnp.where(drop, nb_slot, R), nb_logical].set(-1, mode="drop")
     slots = ids[:U]
     table_rows = table[jnp.clip(slots, 0, R - 1)]
-    errors = st.errors.at[int(ErrorKind.BAD_LENGTH)].add(jnp.sum(bad, dtype=jnp.int32))
+    errors = add_counts(st.errors, {ErrorKind.BAD_LENGTH: bad})          # row s: slot s
     slot_leaves, block_leaves = _slot_leaves(st), _block_leaves(st)
     leaves = slot_leaves + [st.block_table] + block_leaves
     spans = ([(0, U)] * (len(slot_leaves) + 1) + [(U, BLOCKS_PER_SLOT * U)] * len(block_leaves))
@@ -321,7 +321,13 @@ def verify_layer(state: CacheState, layer, spec: VerifyStep, comp_kv: jax.Array 
     return dataclasses.replace(out, errors=state.errors)
 
 
-@records_detail(ErrorOp.VERIFY_COMMIT, layer_arg=False, state_at=0)
+def _slot_rows(args):
+    """verify_commit's error rows: one a slot, no position."""
+    local = args["state"].config.local().max_requests
+    return jnp.arange(args["accepted"].shape[0], dtype=jnp.int32) % local, None
+
+
+@records_detail(ErrorOp.VERIFY_COMMIT, _slot_rows, layer_arg=False, state_at=0)
 def verify_commit(state: CacheState, spec: VerifyStep, accepted: jax.Array, *,
                   impl: str = "auto") -> tuple[CacheState, StepMeta]:
     """End the verify pass: copy back what `verify_begin` copied, so the

@@ -114,8 +114,9 @@ class CacheState:
     errors       i32[9]           count of dropped input per ErrorKind
                                   (sharded: i32[S * 9], one row per shard;
                                   with config.error_detail each row also
-                                  holds the op and layer of every kind's
-                                  first count: i32[27] a shard)
+                                  holds the op, layer, slot and position
+                                  of every kind's first count: i32[54] a
+                                  shard, dsv4_jax/error_detail.py)
     config       CacheConfig      static (pytree metadata)
 
     Make it with `init_state`; pass it to every op and take back the state

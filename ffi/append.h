@@ -3,7 +3,7 @@
 //   attrs kv_format, max_context
 //   args  layer s32[], meta s32[>= 2T] (token_slot, then token_pos: the step's
 //         packed metadata whole), kv bf16[T,512],
-//         swa.pos s32[L,R,128], errors s32[9], entry leaves [L,R,128,...]
+//         swa.pos s32[L,R,128], errors s32[9] (54 with detail), entry leaves [L,R,128,...]
 //   rets  swa.pos, errors, entry leaves (aliased, same order)
 #pragma once
 
@@ -24,7 +24,7 @@ struct AppendArgs {
   const int32_t* pos = nullptr;
   const uint16_t* kv = nullptr;    // bf16 bits [T, 512]
   int32_t* swa_pos = nullptr;      // [L, R, 128]
-  int32_t* errors = nullptr;
+  ErrorCounts errors;
   EntryPool pool;                  // [L, R, 128] entries
 };
 
@@ -62,8 +62,7 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
   a.L = swa_pos_in.dimensions()[0];
   a.R = swa_pos_in.dimensions()[1];
   DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos (result)", swa_pos, ffi::DataType::S32, {a.L, a.R, kWindow}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors_in, ffi::DataType::S32, {kNumErrorKinds}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors (result)", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, errors, &a.errors));
   if (num_entry_args != leaves.size())
     return ffi::Error::InvalidArgument("swa.kv: " + std::to_string(num_entry_args) +
                                        " entry inputs but " + std::to_string(leaves.size()) +
@@ -74,7 +73,6 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
   a.kv = static_cast<const uint16_t*>(kv.untyped_data());
   a.swa_pos = static_cast<int32_t*>(swa_pos.untyped_data());
-  a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
 }

@@ -15,15 +15,15 @@ void AppendOnHost(const AppendArgs& a, int64_t l) {
     int64_t s = a.slot[t], p = a.pos[t];
     if (s == -1) continue;
     if (s < 0 || s >= a.R) {
-      ++a.errors[kBadSlot];
+      CountError(a.errors, kBadSlot, t);
       continue;
     }
     if (p < 0 || p >= a.max_context) {
-      ++a.errors[kBadPosition];
+      CountError(a.errors, kBadPosition, t);
       continue;
     }
     if (!num::RowIsFinite(a.kv + t * kHeadDim, kHeadDim)) {
-      ++a.errors[kNonfinite];
+      CountError(a.errors, kNonfinite, t);
       continue;
     }
     int64_t& w = winner[static_cast<size_t>(s * kWindow + p % kWindow)];

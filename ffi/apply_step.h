@@ -6,7 +6,7 @@
 //   args: new_blocks s32[NB,3] (slot, logical, physical; slot -1 = padding),
 //         reset_slots s32[NR] (-1 = padding), then the aliased state leaves
 //         block_table s32[R,MB], swa_pos s32[L,R,128], csa_comp f32[Lc,R,2,3,512],
-//         csa_icomp f32[Lc,R,2,3,128], hca_comp f32[Lh,R,1,3,512], errors s32[9],
+//         csa_icomp f32[Lc,R,2,3,128], hca_comp f32[Lh,R,1,3,512], errors s32[9] (54 with detail),
 //         and the pools to scrub (any dtype, dims [L?, N, ...]).
 //   rets: the aliased leaves again, in the same order.
 // Semantics: resets first (in order), then new-block rows in order, so a later
@@ -89,7 +89,7 @@ inline ffi::Error ValidateApplyStep(int64_t num_blocks, ffi::Buffer<ffi::S32, 2>
   DSV4_RETURN_IF_ERROR(
       CheckDims("csa.icomp", csa_icomp.dimensions(), {d.Lc, d.R, 2, 3, kIndexDim}));
   DSV4_RETURN_IF_ERROR(CheckDims("hca.comp", hca_comp.dimensions(), {d.Lh, d.R, 1, 3, kHeadDim}));
-  DSV4_RETURN_IF_ERROR(CheckDims("errors", errors.dimensions(), {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(CheckErrorsDims("errors", errors.dimensions()));
   if (pool_rets.size() > static_cast<size_t>(kMaxScrubPools))
     return ffi::Error::InvalidArgument("pools: at most 8 pool buffers, got " +
                                        std::to_string(pool_rets.size()));

@@ -47,13 +47,14 @@ ffi::Error ApplyStepImpl(int64_t num_blocks, ffi::Buffer<ffi::S32, 2> new_blocks
                                          *swa_pos, *csa_comp, *csa_icomp, *hca_comp,
                                          *errors_ret, pool_rets, &d, &pools));
   int32_t* bt = block_table->typed_data();
-  int32_t* errors = errors_ret->typed_data();
+  const ErrorCounts errors =
+      ErrorCountsAt(errors_ret->typed_data(), errors_ret->dimensions()[0]);
   const int32_t* resets = reset_slots.typed_data();
   for (int64_t i = 0; i < d.NR; ++i) {
     int64_t s = resets[i];
     if (s == -1) continue;
     if (s < 0 || s >= d.R) {
-      ++errors[kBadSlot];
+      CountError(errors, kBadSlot, i);
       continue;
     }
     ResetSlot(d, s, bt, swa_pos->typed_data(), csa_comp->typed_data(), csa_icomp->typed_data(),
@@ -64,11 +65,11 @@ ffi::Error ApplyStepImpl(int64_t num_blocks, ffi::Buffer<ffi::S32, 2> new_blocks
     int64_t s = rows[3 * i], logical = rows[3 * i + 1], physical = rows[3 * i + 2];
     if (s == -1) continue;
     if (s < 0 || s >= d.R) {
-      ++errors[kBadSlot];
+      CountError(errors, kBadSlot, d.NR + i);  // error rows: the resets, then the new blocks
       continue;
     }
     if (logical < 0 || logical >= d.MB || physical < 0 || physical >= d.N) {
-      ++errors[kBadBlockAssignment];
+      CountError(errors, kBadBlockAssignment, d.NR + i);
       continue;
     }
     bt[s * d.MB + logical] = static_cast<int32_t>(physical);

@@ -6,7 +6,7 @@
 //         q bf16[T,H,512], token_slot s32[T], token_pos s32[T], topk s32[T,k]
 //         (k = 0 unless CSA), chunk_kv bf16[T or 0,512], sink f32[H],
 //         inv_freq f32[32 or 0], block_table s32[R,MB], swa.pos s32[L,R,128],
-//         errors s32[9], swa.kv entries [L,R,128,...], then the kind's pool
+//         errors s32[9] (54 with detail), swa.kv entries [L,R,128,...], then the kind's pool
 //         entries [Lk,N,32 or 1,...] (none for SWA)
 //   rets  out bf16[T,H,512], lse f32[T,H], errors (aliased when the state is
 //         returned), scratch u8[T * 2064 or 0] (the CUDA kernels' prefill
@@ -45,7 +45,7 @@ struct AttentionArgs {
   EntryPool pool;                      // csa.kv or hca.kv (unused for SWA)
   uint16_t* out = nullptr;             // bf16 bits [T, H, 512]
   float* lse = nullptr;                // [T, H]
-  int32_t* errors = nullptr;
+  ErrorCounts errors;
   uint8_t* scratch = nullptr;          // chunk rows encoded (CUDA, prefill), or null
   int64_t scratch_bytes = 0;
   EntryPool chunk;                     // the encoded chunk rows (CUDA, prefill)
@@ -190,8 +190,7 @@ inline ffi::Error ValidateAttention(DSV4_ATTENTION_OPERANDS, AttentionArgs* resu
   a.MB = block_table.dimensions()[1];
   DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos", swa_pos, ffi::DataType::S32, {-1, a.R, kWindow}));
   a.L = swa_pos.dimensions()[0];
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors_in, ffi::DataType::S32, {kNumErrorKinds}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors (result)", *errors, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, *errors, &a.errors));
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
   const size_t per = EntryLeafCount(kv_format);
@@ -231,7 +230,6 @@ inline ffi::Error ValidateAttention(DSV4_ATTENTION_OPERANDS, AttentionArgs* resu
   a.swa_pos = static_cast<const int32_t*>(swa_pos.untyped_data());
   a.out = static_cast<uint16_t*>(out->untyped_data());
   a.lse = static_cast<float*>(lse->untyped_data());
-  a.errors = static_cast<int32_t*>(errors->untyped_data());
   *result = a;
   return ffi::Error::Success();
 }

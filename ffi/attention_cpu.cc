@@ -79,8 +79,9 @@ struct LoadPlain {
   int32_t operator()(const int32_t* p) const { return *p; }
 };
 struct CountOnHost {
-  int32_t* errors;
-  void operator()(int err) const { ++errors[err]; }
+  ErrorCounts errors;
+  int64_t t;  // the query's row
+  void operator()(int err) const { CountError(errors, err, t); }
 };
 
 // The rows token t (slot s, position p) sees, in the handler's fixed order.
@@ -92,7 +93,7 @@ void CollectRows(const AttentionArgs& a, int64_t l, int64_t lk, const ChunkView*
   for (int64_t w = lo; w <= p && w < p0; ++w) {           // the ring
     const int64_t e = AttnRingEntry(a, l, s, w);
     if (a.swa_pos[e] == w) AddEntry(a.ring, e, rows);
-    else ++a.errors[kStaleWindow];                       // overwritten, a gap or a rewind
+    else CountError(a.errors, kStaleWindow, t);                       // overwritten, a gap or a rewind
   }
   if (chunk) {                                            // the chunk's rows, by position
     const auto& mine = chunk->by_slot[s];
@@ -107,7 +108,7 @@ void CollectRows(const AttentionArgs& a, int64_t l, int64_t lk, const ChunkView*
     const int64_t n = a.kind == kAttnCsa ? a.K : HcaVisible(p, a.MB);
     for (int64_t j = 0; j < n; ++j) {
       int64_t e = 0;
-      if (AttnCompressedItem(a, lk, t, s, p, j, LoadPlain(), CountOnHost{a.errors}, &e))
+      if (AttnCompressedItem(a, lk, t, s, p, j, LoadPlain(), CountOnHost{a.errors, t}, &e))
         AddEntry(a.pool, e, rows);
     }
   }
@@ -160,16 +161,16 @@ ffi::Error AttentionImpl(DSV4_ATTENTION_OPERANDS) {
     const int64_t s = a.slot[t];
     if (s == -1) continue;
     if (s < 0 || s >= a.R) {
-      ++a.errors[kBadSlot];
+      CountError(a.errors, kBadSlot, t);
       continue;
     }
     if (!QueryPositionOk(a.pos[t], a.MB)) {
-      ++a.errors[kBadPosition];
+      CountError(a.errors, kBadPosition, t);
       continue;
     }
     const uint16_t* qt = a.q + t * a.H * kHeadDim;
     if (!num::RowIsFinite(qt, a.H * kHeadDim)) {
-      ++a.errors[kNonfinite];
+      CountError(a.errors, kNonfinite, t);
       continue;
     }
     rows.clear();

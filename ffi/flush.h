@@ -100,7 +100,7 @@ struct FlushArgs {
   CompressorView main, index;       // index: CSA only
   uint8_t* index_packed = nullptr;  // [L, N, 32, 64]
   uint8_t* index_scale = nullptr;   // [L, N, 32, 4]
-  int32_t* errors = nullptr;
+  ErrorCounts errors;
   EntryPool pool;                   // [L, N, per_block]
 };
 
@@ -249,14 +249,13 @@ inline ffi::Error ValidateFlushCsa(
   a.N = packed.dimensions()[1];
   DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.scale", iscale, ffi::DataType::F8E8M0FNU,
                                    {a.L, a.N, a.per_block, kIndexScales}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(BindErrors(errors, errors, &a.errors));
   std::vector<int64_t> lead = {a.L, a.N, a.per_block};
   DSV4_RETURN_IF_ERROR(BindEntryLeaves("csa.kv", kv_format, leaves, &lead, &a.pool));
   a.main.comp = static_cast<float*>(comp.untyped_data());
   a.index.comp = static_cast<float*>(icomp.untyped_data());
   a.index_packed = static_cast<uint8_t*>(packed.untyped_data());
   a.index_scale = static_cast<uint8_t*>(iscale.untyped_data());
-  a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
 }
@@ -279,13 +278,12 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
   DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_hca", num_aliased_args, 2 + leaves.size()));
   DSV4_RETURN_IF_ERROR(CheckBuffer("hca.comp", comp, ffi::DataType::F32, {-1, a.R, 1, 3, kHeadDim}));
   a.L = comp.dimensions()[0];
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(BindErrors(errors, errors, &a.errors));
   a.per_block = kBlockTokens / kHcaRatio;
   std::vector<int64_t> lead = {a.L, -1, a.per_block};
   DSV4_RETURN_IF_ERROR(BindEntryLeaves("hca.kv", kv_format, leaves, &lead, &a.pool));
   a.N = lead[1];
   a.main.comp = static_cast<float*>(comp.untyped_data());
-  a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
 }

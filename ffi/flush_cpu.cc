@@ -63,12 +63,12 @@ RowStep StepRow(const FlushArgs& a, ExpectedPositions& expected, int64_t limit, 
   const int64_t s = a.slot[t], p = a.pos[t];
   if (s == -1) return r;
   if (s < 0 || s >= a.R) {
-    ++a.errors[kBadSlot];
+    CountError(a.errors, kBadSlot, t);
     return r;
   }
   r.ep = expected.Next(s, p);
   if (!Gates(r.ep, limit)) {
-    ++a.errors[kBadPosition];
+    CountError(a.errors, kBadPosition, t);
     return r;
   }
   r.s = s;
@@ -77,7 +77,7 @@ RowStep StepRow(const FlushArgs& a, ExpectedPositions& expected, int64_t limit, 
   int err = GatedRowError(p, r.ep, block, a.N);
   if (err < 0 && !(TokenInputsFinite(a.main, t) && (!a.csa || TokenInputsFinite(a.index, t))))
     err = kNonfinite;
-  if (err >= 0) ++a.errors[err];
+  if (err >= 0) CountError(a.errors, err, t);
   r.fold = err < 0;
   r.block = block >= 0 && block < a.N ? block : -1;
   return r;

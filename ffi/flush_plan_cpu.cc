@@ -45,10 +45,10 @@ std::vector<char> KeptRows(const FlushArgs& a, int64_t s, const RequestRows& r) 
     const int64_t t = r.t0 + k;
     const int64_t block = a.block_table[s * a.MB + a.pos[t] / kBlockTokens];
     if (block < 0 || block >= a.N) {
-      ++a.errors[kMissingBlock];
+      CountError(a.errors, kMissingBlock, t);
     } else if (!host_flush::TokenInputsFinite(a.main, t) ||
                (a.csa && !host_flush::TokenInputsFinite(a.index, t))) {
-      ++a.errors[kNonfinite];
+      CountError(a.errors, kNonfinite, t);
     } else {
       keep[k] = 1;
     }

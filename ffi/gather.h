@@ -17,7 +17,8 @@ namespace dsv4 {
 
 // ---- dsv4_gather_window ---------------------------------------------------------
 //   attrs kv_format
-//   args  layer s32[], slots s32[B], swa.pos s32[L,R,128], errors s32[9], entries [L,R,128,...]
+//   args  layer s32[], slots s32[B], swa.pos s32[L,R,128], errors s32[9] (54 with detail),
+//         entries [L,R,128,...]
 //   rets  kv bf16[B,128,512], pos s32[B,128], errors
 struct GatherWindowArgs {
   int64_t B = 0, L = 0, R = 0;
@@ -27,7 +28,7 @@ struct GatherWindowArgs {
   EntryPool pool;
   uint16_t* out_kv = nullptr;
   int32_t* out_pos = nullptr;
-  int32_t* errors = nullptr;
+  ErrorCounts errors;
 };
 
 template <typename Binding>
@@ -44,21 +45,17 @@ auto BindGatherWindow(Binding binding) {
       .template Ret<ffi::AnyBuffer>();  // errors
 }
 
-inline ffi::Error CheckErrorsPair(const ffi::AnyBuffer& in, const ffi::AnyBuffer& out) {
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", in, ffi::DataType::S32, {kNumErrorKinds}));
-  return CheckBuffer("errors (result)", out, ffi::DataType::S32, {kNumErrorKinds});
-}
-
 // The operands the paged gathers (top-k, all) share: block_table s32[R, MB],
 // errors in and out, and the pool's entry leaves [L, N, per_block, ...].
 inline ffi::Error BindPagedPool(const char* pool_name, int64_t kv_format, int64_t per_block,
                                 const ffi::AnyBuffer& block_table, const ffi::AnyBuffer& errors_in,
                                 const ffi::AnyBuffer& errors, const ffi::RemainingArgs& entry_args,
+                                ErrorCounts* errors_out,
                                 int64_t* R, int64_t* MB, int64_t* L, int64_t* N, EntryPool* pool) {
   DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
   *R = block_table.dimensions()[0];
   *MB = block_table.dimensions()[1];
-  DSV4_RETURN_IF_ERROR(CheckErrorsPair(errors_in, errors));
+  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, errors, errors_out));
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
   std::vector<int64_t> lead = {-1, -1, per_block};
@@ -81,7 +78,7 @@ inline ffi::Error ValidateGatherWindow(int64_t kv_format, ffi::AnyBuffer layer, 
   DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos", swa_pos, ffi::DataType::S32, {-1, -1, kWindow}));
   a.L = swa_pos.dimensions()[0];
   a.R = swa_pos.dimensions()[1];
-  DSV4_RETURN_IF_ERROR(CheckErrorsPair(errors_in, errors));
+  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, errors, &a.errors));
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
   std::vector<int64_t> lead = {a.L, a.R, kWindow};
@@ -93,7 +90,6 @@ inline ffi::Error ValidateGatherWindow(int64_t kv_format, ffi::AnyBuffer layer, 
   a.swa_pos = static_cast<const int32_t*>(swa_pos.untyped_data());
   a.out_kv = static_cast<uint16_t*>(out_kv.untyped_data());
   a.out_pos = static_cast<int32_t*>(out_pos.untyped_data());
-  a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
 }
@@ -101,7 +97,7 @@ inline ffi::Error ValidateGatherWindow(int64_t kv_format, ffi::AnyBuffer layer, 
 // ---- dsv4_gather_topk -------------------------------------------------------------
 //   attrs kv_format
 //   args  layer s32[] (CSA index), token_slot s32[T], token_pos s32[T], indices s32[T,k],
-//         block_table s32[R,MB], errors s32[9], entries [Lc,N,32,...]
+//         block_table s32[R,MB], errors s32[9] (54 with detail), entries [Lc,N,32,...]
 //   rets  kv bf16[T,k,512], valid bool[T,k], errors
 struct GatherTopkArgs {
   int64_t T = 0, K = 0, R = 0, MB = 0, L = 0, N = 0, per_block = 0;
@@ -113,7 +109,7 @@ struct GatherTopkArgs {
   EntryPool pool;
   uint16_t* out_kv = nullptr;
   bool* valid = nullptr;
-  int32_t* errors = nullptr;
+  ErrorCounts errors;
 };
 
 template <typename Binding>
@@ -148,7 +144,7 @@ inline ffi::Error ValidateGatherTopk(int64_t kv_format, ffi::AnyBuffer layer, ff
   a.K = indices.dimensions()[1];
   a.per_block = kBlockTokens / kCsaRatio;
   DSV4_RETURN_IF_ERROR(BindPagedPool("csa.kv", kv_format, a.per_block, block_table, errors_in,
-                                     errors, entry_args, &a.R, &a.MB, &a.L, &a.N, &a.pool));
+                                     errors, entry_args, &a.errors, &a.R, &a.MB, &a.L, &a.N, &a.pool));
   DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.T, a.K, kHeadDim}));
   DSV4_RETURN_IF_ERROR(CheckBuffer("valid (result)", valid, ffi::DataType::PRED, {a.T, a.K}));
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
@@ -158,7 +154,6 @@ inline ffi::Error ValidateGatherTopk(int64_t kv_format, ffi::AnyBuffer layer, ff
   a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
   a.out_kv = static_cast<uint16_t*>(out_kv.untyped_data());
   a.valid = static_cast<bool*>(valid.untyped_data());
-  a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
 }
@@ -166,7 +161,7 @@ inline ffi::Error ValidateGatherTopk(int64_t kv_format, ffi::AnyBuffer layer, ff
 // ---- dsv4_gather_all ------------------------------------------------------------------
 //   attrs kv_format, max_context
 //   args  layer s32[] (HCA index), slots s32[B], lengths s32[B], block_table s32[R,MB],
-//         errors s32[9], entries [Lh,N,1,...]
+//         errors s32[9] (54 with detail), entries [Lh,N,1,...]
 //   rets  kv bf16[B,E,512], count s32[B], errors
 struct GatherAllArgs {
   int64_t B = 0, E = 0, R = 0, MB = 0, L = 0, N = 0, max_context = 0;
@@ -177,7 +172,7 @@ struct GatherAllArgs {
   EntryPool pool;
   uint16_t* out_kv = nullptr;
   int32_t* count = nullptr;
-  int32_t* errors = nullptr;
+  ErrorCounts errors;
 };
 
 template <typename Binding>
@@ -209,7 +204,7 @@ inline ffi::Error ValidateGatherAll(int64_t kv_format, int64_t max_context, ffi:
   a.B = slots.dimensions()[0];
   DSV4_RETURN_IF_ERROR(CheckBuffer("lengths", lengths, ffi::DataType::S32, {a.B}));
   DSV4_RETURN_IF_ERROR(BindPagedPool("hca.kv", kv_format, kBlockTokens / kHcaRatio, block_table,
-                                     errors_in, errors, entry_args, &a.R, &a.MB, &a.L, &a.N,
+                                     errors_in, errors, entry_args, &a.errors, &a.R, &a.MB, &a.L, &a.N,
                                      &a.pool));
   DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.B, -1, kHeadDim}));
   a.E = out_kv.dimensions()[1];
@@ -221,7 +216,6 @@ inline ffi::Error ValidateGatherAll(int64_t kv_format, int64_t max_context, ffi:
   a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
   a.out_kv = static_cast<uint16_t*>(out_kv.untyped_data());
   a.count = static_cast<int32_t*>(count.untyped_data());
-  a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
 }

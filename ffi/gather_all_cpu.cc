@@ -24,12 +24,12 @@ ffi::Error GatherAllImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer 
     int64_t s = a.slots[b], len = a.lengths[b];
     if (s == -1) continue;
     if (s < 0 || s >= a.R) {
-      ++a.errors[kBadSlot];
+      CountError(a.errors, kBadSlot, b);
       continue;
     }
     int64_t n = len / kHcaRatio;
     if (len < 0 || len > a.max_context || n > a.E) {
-      ++a.errors[kBadLength];
+      CountError(a.errors, kBadLength, b);
       continue;
     }
     a.count[b] = static_cast<int32_t>(n);
@@ -37,7 +37,7 @@ ffi::Error GatherAllImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer 
       // One HCA entry per block: entry i lives in logical block i.
       int64_t block = i < a.MB ? a.block_table[s * a.MB + i] : -1;
       if (block < 0 || block >= a.N) {
-        ++a.errors[kMissingBlock];
+        CountError(a.errors, kMissingBlock, b);
         continue;
       }
       DecodeEntry(a.pool, l * a.N + block, a.out_kv + (b * a.E + i) * kHeadDim);

@@ -25,11 +25,11 @@ ffi::Error GatherTopkImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffe
     int64_t s = a.slot[t], p = a.pos[t];
     if (s == -1) continue;
     if (s < 0 || s >= a.R) {
-      ++a.errors[kBadSlot];
+      CountError(a.errors, kBadSlot, t);
       continue;
     }
     if (!QueryPositionOk(p, a.MB)) {
-      ++a.errors[kBadPosition];
+      CountError(a.errors, kBadPosition, t);
       continue;
     }
     const int64_t visible = IndexVisible(p, a.MB * a.per_block);
@@ -37,13 +37,13 @@ ffi::Error GatherTopkImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffe
       int64_t i = a.indices[t * a.K + j];
       if (i == -1) continue;
       if (i < -1 || i >= visible) {
-        ++a.errors[kBadIndex];
+        CountError(a.errors, kBadIndex, t);
         continue;
       }
       int64_t logical = i / a.per_block;
       int64_t block = a.block_table[s * a.MB + logical];
       if (block < 0 || block >= a.N) {
-        ++a.errors[kMissingBlock];
+        CountError(a.errors, kMissingBlock, t);
         continue;
       }
       DecodeEntry(a.pool, (l * a.N + block) * a.per_block + i % a.per_block,

@@ -24,7 +24,7 @@ ffi::Error GatherWindowImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuf
     int64_t s = a.slots[b];
     if (s == -1) continue;
     if (s < 0 || s >= a.R) {
-      ++a.errors[kBadSlot];
+      CountError(a.errors, kBadSlot, b);
       continue;
     }
     for (int64_t r = 0; r < kWindow; ++r) {

@@ -2,7 +2,8 @@
 // CUDA handlers. Rules and arithmetic: dsv4_jax/ops/indexer.py and
 // dsv4/indexer.h.
 //   args  layer s32[] (CSA index, -1 = bad), token_slot s32[T], token_pos s32[T],
-//         q bf16[T,64,128], weights f32[T,64], block_table s32[R,MB], errors s32[9],
+//         q bf16[T,64,128], weights f32[T,64], block_table s32[R,MB],
+//         errors s32[9] (54 with detail),
 //         index.packed u8[Lc,N,32,64], index.scale e8m0[Lc,N,32,4]
 //   rets  indices s32[T,k], scratch u32[T,MB*32] (rank keys; working memory),
 //         qscratch u8[T,Q] (the MXFP4 query: Q = kQueryScratchBytes for
@@ -36,7 +37,7 @@ struct IndexerTopkArgs {
   int32_t* indices = nullptr;
   uint32_t* scratch = nullptr;      // [T, E]
   uint8_t* qscratch = nullptr;      // [T, kQueryScratchBytes] (q_format 1)
-  int32_t* errors = nullptr;
+  ErrorCounts errors;
 };
 
 template <typename Binding>
@@ -83,8 +84,7 @@ inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token
   a.R = block_table.dimensions()[0];
   a.MB = block_table.dimensions()[1];
   a.E = a.MB * (kBlockTokens / kCsaRatio);
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors", errors_in, ffi::DataType::S32, {kNumErrorKinds}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("errors (result)", errors, ffi::DataType::S32, {kNumErrorKinds}));
+  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, errors, &a.errors));
   DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.packed", packed, ffi::DataType::U8,
                                    {-1, -1, kBlockTokens / kCsaRatio, kIndexPacked}));
   a.L = packed.dimensions()[0];
@@ -108,7 +108,6 @@ inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token
   a.indices = static_cast<int32_t*>(indices.untyped_data());
   a.scratch = static_cast<uint32_t*>(scratch.untyped_data());
   a.qscratch = static_cast<uint8_t*>(qscratch.untyped_data());
-  a.errors = static_cast<int32_t*>(errors.untyped_data());
   *out = a;
   return ffi::Error::Success();
 }

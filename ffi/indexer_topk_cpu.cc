@@ -34,17 +34,17 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
     const int64_t s = a.slot[t], p = a.pos[t];
     if (s == -1) continue;
     if (s < 0 || s >= a.R) {
-      ++a.errors[kBadSlot];
+      CountError(a.errors, kBadSlot, t);
       continue;
     }
     if (!QueryPositionOk(p, a.MB)) {
-      ++a.errors[kBadPosition];
+      CountError(a.errors, kBadPosition, t);
       continue;
     }
     const uint16_t* qt = a.q + t * kIndexHeads * kIndexDim;
     const float* w = a.weights + t * kIndexHeads;
     if (!num::RowIsFinite(qt, kIndexHeads * kIndexDim) || !num::RowIsFinite(w, kIndexHeads)) {
-      ++a.errors[kNonfinite];
+      CountError(a.errors, kNonfinite, t);
       continue;
     }
     const int64_t n = IndexVisible(p, a.E);
@@ -84,7 +84,7 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
       const int64_t block = a.block_table[s * a.MB + j];
       const int64_t end = std::min(n, (j + 1) * per_block);
       if (block < 0 || block >= a.N) {
-        ++a.errors[kMissingBlock];
+        CountError(a.errors, kMissingBlock, t);
         for (int64_t i = j * per_block; i < end; ++i) keys[i] = 0;
         continue;
       }

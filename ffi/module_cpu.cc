@@ -49,6 +49,8 @@ NB_MODULE(_dsv4_cpu, m) {
     c["INDEX_SCALES"] = dsv4::kIndexScales;
     c["ATTN_CHUNK_SCRATCH_ROW"] = dsv4::kAttnChunkScratchRow;
     c["NUM_ERROR_KINDS"] = static_cast<int>(dsv4::kNumErrorKinds);
+    c["DETAIL_FIELDS"] = dsv4::kErrorDetailFields;
+    c["NO_ROW"] = dsv4::kNoRow;
     return c;
   });
 }

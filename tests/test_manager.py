@@ -254,6 +254,13 @@ def test_process_manager_commits_its_own_shards():
     with pytest.raises(KeyError):
         m.commit_speculative({a: 1, b: 1, "elsewhere": 1})
     assert m.length_of(a) == 130
+    # accepted_of reads the counts by local slot, shard after shard, as the device has them
+    by_slot = np.zeros(4, np.int32)
+    by_slot[m.global_slot(a)], by_slot[m.global_slot(b)] = 1, 3
+    assert m.accepted_of(by_slot) == {a: 1, b: 3}
+    assert m.accepted_of(m.put_rows(by_slot)) == {a: 1, b: 3}      # split by shard
+    with pytest.raises(ValueError, match="accepted"):
+        m.accepted_of(by_slot[:3])
     out = m.commit_speculative({a: 1, b: 3})
     assert [m.length_of(a), m.length_of(b)] == [128, 13] and out.tolist() == [1, 0, 3, 0]
     assert len(m.managers[0].blocks_of(a)) == 1

@@ -10,6 +10,7 @@
 #include "indexer_topk/mxfp4_head_tree.cuh"
 #include "indexer_topk/mxfp4_mma.cuh"
 #include "indexer_topk/mxfp4_query.cuh"
+#include "layer_checks.cuh"
 #include "indexer_topk/token.cuh"
 #include "indexer_topk.h"
 #include "bf16_chunks.cuh"
@@ -199,7 +200,8 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
     // each logical block is read by one CTA: it counts a missing one
     const int64_t j = j_first + threadIdx.x;
     const int32_t block = blocks_s[threadIdx.x];
-    if (j * kPerBlock < ti.n && (block < 0 || block >= a.N)) atomicAdd(&a.errors[kMissingBlock], 1);
+    if (j * kPerBlock < ti.n && (block < 0 || block >= a.N))
+      cuda::CountErrorAtomic(a.errors, kMissingBlock, t);
   }
   for (int it = 0; it < tiles; ++it) {                         // uniform per warp
     const int32_t block = blocks_s[column + columns * it];    // read early: hides its latency

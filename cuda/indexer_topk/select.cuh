@@ -31,6 +31,7 @@
 #include "indexer_topk.h"
 #include "bf16_chunks.cuh"
 #include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace indexer {
@@ -378,16 +379,17 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   cuda::LetNextStart();        // a kernel launched overlapped after this one waits for it
   const int rank = kCluster ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
   const int tid = threadIdx.x;
-  if (blockIdx.x == 0 && tid == 0 && (l < 0 || l >= a.L)) atomicAdd(&a.errors[kBadLayer], 1);
+  if (blockIdx.x == 0 && tid == 0 && (l < 0 || l >= a.L))
+    cuda::CountErrorAtomic(a.errors, kBadLayer, kNoRow);
   if (t >= a.T) return;                        // whole clusters: the grid is T * ctas
   int32_t* out = a.indices + t * a.K;
   if (!ti.ok || !finite) {                     // the same for every CTA of the cluster
     if (rank != 0) return;
     if (tid == 0 && l >= 0 && l < a.L) {
       const int64_t s = a.slot[t];
-      if (ti.ok) atomicAdd(&a.errors[kNonfinite], 1);
-      else if (s != -1 && (s < 0 || s >= a.R)) atomicAdd(&a.errors[kBadSlot], 1);
-      else if (s != -1) atomicAdd(&a.errors[kBadPosition], 1);
+      if (ti.ok) cuda::CountErrorAtomic(a.errors, kNonfinite, t);
+      else if (s != -1 && (s < 0 || s >= a.R)) cuda::CountErrorAtomic(a.errors, kBadSlot, t);
+      else if (s != -1) cuda::CountErrorAtomic(a.errors, kBadPosition, t);
     }
     for (int64_t r = tid; r < a.K; r += kSelectThreads) out[r] = -1;
     return;
@@ -400,7 +402,7 @@ __global__ void __launch_bounds__(kSelectThreads) SelectKernel(IndexerTopkArgs a
   if (count_missing && rank == 0) {
     for (int64_t j = tid; j * kPerBlock < n; j += kSelectThreads) {
       const int64_t b = a.block_table[ti.slot * a.MB + j];
-      if (b < 0 || b >= a.N) atomicAdd(&a.errors[kMissingBlock], 1);
+      if (b < 0 || b >= a.N) cuda::CountErrorAtomic(a.errors, kMissingBlock, t);
     }
   }
   BlockTopK<kCluster>(keys, row, n, a.K, kp, ctas, rank, sel, out);

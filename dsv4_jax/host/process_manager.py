@@ -235,6 +235,33 @@ class ProcessCacheManager:
         return np.concatenate([self.managers[k].commit_speculative(per_shard[k])
                                for k in self.shards])
 
+    def accepted_of(self, accepted) -> dict:
+        """`CacheManager.accepted_of` on this process's shards: {request:
+        kept tokens} of this process's requests in the last step, what
+        `commit_speculative` takes. `accepted` as verify_commit takes it:
+        the global i32[S * R_local] (by local slot, shard after shard, e.g.
+        the device's `dsv4_jax.accepted_counts`; only this process's shards
+        are read), or this process's rows of it (i32[len(shards) * R_local],
+        as `commit_speculative` returns them)."""
+        R = self.config.local().max_requests
+        S = self.config.num_shards
+        if isinstance(accepted, jax.Array) and accepted.shape == (S * R,):
+            if accepted.is_fully_addressable:
+                counts = np.asarray(accepted).reshape(S, R)[list(self.shards)].reshape(-1)
+            else:
+                counts = self.local_rows(accepted)
+        else:
+            counts = np.asarray(accepted)
+        mine = len(self.shards) * R
+        if counts.shape != (mine,) or not np.issubdtype(counts.dtype, np.integer):
+            raise ValueError(f"accepted: expected an integer array [{S * R}] (every shard) or "
+                             f"[{mine}] ({self._where()}), by local slot, shard after shard, "
+                             f"got {counts.dtype}{list(counts.shape)}")
+        out = {}
+        for i, k in enumerate(self.shards):
+            out.update(self.managers[k].accepted_of(counts[i * R:(i + 1) * R]))
+        return out
+
     def _plan(self, tokens, min_tokens, min_new_blocks, min_resets):
         """Every shard's checked plan, and per size (T, NB, NR) what each
         shard needs, padded as the managers pad."""

@@ -5,7 +5,7 @@ FFI target "dsv4_append" (operands in this order):
   attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128)
   args   layer i32[] (global index, -1 = bad), meta i32[P >= 2T] (meta.token_fields:
          token_slot, then token_pos, then what the handler ignores),
-         kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[9],
+         kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[9] (54 with detail),
          swa.kv.nope, swa.kv.rope[, swa.kv.scale]  (scale absent for bf16)
   rets   the aliased buffers, same order.
 Per token: slot -1 is padding; slot outside [0, R) -> BAD_SLOT; pos < 0 or
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, meta_rows, records_detail
 from ..meta import StepMeta
 from ..donation import warn_if_eager
 from ..state import CacheState, check_state
@@ -55,7 +55,7 @@ def append_ffi_operands(state: CacheState):
     return [state.swa.pos, *jax.tree_util.tree_leaves(state.swa.kv)], rebuild
 
 
-@records_detail(ErrorOp.APPEND)
+@records_detail(ErrorOp.APPEND, meta_rows)
 def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
            impl: str = "auto") -> CacheState:
     """Write `kv: bf16[T, 512]` (normed and roped by the model) of the step's

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
+from .. import config as C
 from .. import reference
 from ..error_detail import ErrorOp, records_detail
 from ..meta import StepMeta
@@ -22,7 +24,22 @@ from .shards import per_shard
 TARGET = "dsv4_apply_step"
 
 
-@records_detail(ErrorOp.APPLY_STEP, layer_arg=False)
+def _step_rows(args):
+    """apply_step's error rows, per shard: the resets (rows [0, NR), their
+    slot, no position), then the new blocks (row NR + i: its slot and the
+    first position of its logical block, -1 for one out of [0, MB))."""
+    meta = args["meta"]
+    S, MB = meta.num_shards, args["state"].config.max_blocks_per_request
+    resets = meta.reset_slots.reshape(S, -1)
+    blocks = meta.new_blocks.reshape(S, -1, 3)
+    logical = blocks[..., 1]
+    start = jnp.where((logical >= 0) & (logical < MB), logical * C.BLOCK_TOKENS, -1)
+    slot = jnp.concatenate([resets, blocks[..., 0]], axis=1)
+    pos = jnp.concatenate([jnp.full(resets.shape, -1, jnp.int32), start], axis=1)
+    return slot.reshape(-1), pos.reshape(-1)
+
+
+@records_detail(ErrorOp.APPLY_STEP, _step_rows, layer_arg=False)
 def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> CacheState:
     """Start a step: resets, then new blocks (later rows win), in place.
 
@@ -40,7 +57,9 @@ def apply_step(state: CacheState, meta: StepMeta, *, impl: str = "auto") -> Cach
 
     Bad rows (slot outside [0, R), logical/physical block out of range) are
     dropped and counted in `state.errors` (BAD_SLOT, BAD_BLOCK_ASSIGNMENT);
-    -1 rows are padding."""
+    -1 rows are padding. With error detail a new block's row is recorded
+    at its slot and the first position of its logical block, a reset's at
+    its slot (position -1)."""
     check_state(state)
     if not isinstance(meta, StepMeta):
         raise ValueError(f"meta: expected a StepMeta, got {type(meta).__name__}")

@@ -18,7 +18,7 @@ FFI target "dsv4_attention" (the same operands on CPU and CUDA):
          token_slot i32[T], token_pos i32[T], topk i32[T, k] (k = 0 unless
          CSA), chunk_kv bf16[T or 0, 512] (0 rows: decode), sink f32[H],
          inv_freq f32[32 or 0] (0: no inverse RoPE), block_table i32[R, MB],
-         swa.pos i32[L, R, 128], errors i32[9], swa.kv entries, then the
+         swa.pos i32[L, R, 128], errors i32[9] (54 with detail), swa.kv entries, then the
          kind's pool entries (csa.kv or hca.kv; none for SWA)
   rets   out bf16[T, H, 512], lse f32[T, H], errors (aliased to the errors
          argument when the state is returned), scratch u8[T * 2064 or 0]
@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import config as C
 from .. import reference
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, query_rows, records_detail
 from ..state import CacheState, check_state
 from .dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
@@ -84,7 +84,7 @@ def _check(cfg, kind, q, token_slot, token_pos, sink, topk, chunk_kv, rope_inv_f
         check_array("rope_inv_freq", rope_inv_freq, (C.ROPE_DIM // 2,), jnp.float32)
 
 
-@records_detail(ErrorOp.ATTENTION, state_at=2)
+@records_detail(ErrorOp.ATTENTION, query_rows, state_at=2)
 def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
               token_pos: jax.Array, *, sink: jax.Array, topk: jax.Array | None = None,
               chunk_kv: jax.Array | None = None, rope_inv_freq: jax.Array | None = None,

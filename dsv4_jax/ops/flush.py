@@ -14,14 +14,14 @@ FFI targets (operands in this order):
          block_table i32[R, MB],
          then the aliased: csa.comp f32[Lc, R, 2, 3, 512], csa.icomp f32[Lc, R, 2, 3, 128],
          csa.index.packed u8[Lc, N, 32, 64], csa.index.scale e8m0[Lc, N, 32, 4],
-         errors i32[9], csa.kv.nope, csa.kv.rope[, csa.kv.scale]
+         errors i32[9] (54 with detail), csa.kv.nope, csa.kv.rope[, csa.kv.scale]
   rets   the aliased buffers, same order.
 "dsv4_flush_hca"
   attrs  kv_format, max_context
   args   layer i32[] (HCA index), meta, kv f32[T, 512],
          score f32[T, 512], ape f32[128, 512], norm f32[512], inv_freq f32[32],
          block_table i32[R, MB],
-         then the aliased: hca.comp f32[Lh, R, 1, 3, 512], errors i32[9],
+         then the aliased: hca.comp f32[Lh, R, 1, 3, 512], errors i32[9] (54 with detail),
          hca.kv.nope, hca.kv.rope[, hca.kv.scale]
   rets   the aliased buffers, same order.
 Expected positions: the k-th row of a request slot in the call (k = 0, 1,
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, meta_rows, records_detail
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..donation import warn_if_eager
@@ -143,7 +143,7 @@ def flush_ffi_operands(state: CacheState, kind: str, kv, score, params, index_kv
     return inputs + [state.block_table], fixed + [state.errors, *entries], rebuild
 
 
-@records_detail(ErrorOp.FLUSH)
+@records_detail(ErrorOp.FLUSH, meta_rows)
 def flush(state: CacheState, layer, meta: StepMeta, kv: jax.Array, score: jax.Array,
           params: CompressorParams, *, index_kv: jax.Array | None = None,
           index_score: jax.Array | None = None, impl: str = "auto") -> CacheState:

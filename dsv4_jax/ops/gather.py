@@ -13,7 +13,7 @@ the entry leaves nope, rope[, scale] come last, scale absent for bf16):
 "dsv4_gather_window"
   attrs  kv_format
   args   layer i32[] (global, -1 = bad), slots i32[B], swa.pos i32[L, R, 128],
-         errors i32[9], swa.kv entries
+         errors i32[9] (54 with detail), swa.kv entries
   rets   kv bf16[B, 128, 512], pos i32[B, 128], errors
   Ring-slot order; slot -1 -> zero rows and pos -1 (no error); slot outside
   [0, R) -> BAD_SLOT, same output; ring slots with pos -1 -> zero rows.
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, query_rows, slot_rows, records_detail
 from ..state import CacheState, check_state
 from .dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
@@ -70,7 +70,7 @@ def _finish(state, outputs, errors, return_state):
     return (*outputs, dataclasses.replace(state, errors=errors))
 
 
-@records_detail(ErrorOp.GATHER_WINDOW, state_at=2)
+@records_detail(ErrorOp.GATHER_WINDOW, slot_rows, state_at=2)
 def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "auto",
                   return_state: bool = True):
     """The sliding window of `slots[B]`: kv bf16[B, 128, 512] and pos i32[B, 128]
@@ -112,7 +112,7 @@ def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "au
     return _finish(state, (kv, pos), errors, return_state)
 
 
-@records_detail(ErrorOp.GATHER_TOPK, state_at=2)
+@records_detail(ErrorOp.GATHER_TOPK, query_rows, state_at=2)
 def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
                 indices: jax.Array, *, impl: str = "auto", return_state: bool = True):
     """CSA entries `indices[T, k]` of each query token: kv bf16[T, k, 512] and
@@ -161,7 +161,7 @@ def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.
     return _finish(state, (kv, valid), errors, return_state)
 
 
-@records_detail(ErrorOp.GATHER_ALL, state_at=2)
+@records_detail(ErrorOp.GATHER_ALL, slot_rows, state_at=2)
 def gather_all(state: CacheState, layer, slots: jax.Array, lengths: jax.Array,
                max_entries: int, *, impl: str = "auto", return_state: bool = True):
     """Every HCA entry of `slots[B]` with `lengths[B]` tokens: kv

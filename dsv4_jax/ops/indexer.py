@@ -75,7 +75,7 @@ form. On the GPU the dot products run on the int8 tensor cores.
 FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
   args  layer i32[] (CSA index, -1 = bad), token_slot i32[T], token_pos i32[T],
         q bf16[T, 64, 128], weights f32[T, 64], block_table i32[R, MB],
-        errors i32[9], csa.index.packed u8[Lc, N, 32, 64],
+        errors i32[9] (54 with detail), csa.index.packed u8[Lc, N, 32, 64],
         csa.index.scale e8m0[Lc, N, 32, 4]
   rets  indices i32[T, k], scratch u32[T, MB * 32] (per-entry rank keys; the
         handlers' working memory, discarded), qscratch u8[T, 17664] for
@@ -93,7 +93,7 @@ import jax.numpy as jnp
 
 from .. import config as C
 from .. import reference
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, query_rows, records_detail
 from ..state import CacheState, check_state
 from .dispatch import check_array, errors_alias, ffi_call, resolve_impl
 from ._layer import layer_operand
@@ -108,7 +108,7 @@ QUERY_SCRATCH_BYTES = (2 * C.INDEX_HEADS * C.INDEX_DIM + 4 * C.INDEX_HEADS * C.I
                        + 4 * C.INDEX_HEADS)
 
 
-@records_detail(ErrorOp.INDEXER_TOPK, state_at=1)
+@records_detail(ErrorOp.INDEXER_TOPK, query_rows, state_at=1)
 def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
                  q: jax.Array, weights: jax.Array, k: int, *, q_format: str = "mxfp4",
                  impl: str = "auto", return_state: bool = True):

@@ -23,7 +23,7 @@ FFI targets (operands in this order):
          index_ape f32[4, 256], index_norm f32[128], index_inv_freq f32[32],
          block_table i32[R, MB],
          then the aliased: swa.pos i32[L, R, 128], swa.kv.nope, swa.kv.rope[, swa.kv.scale],
-         csa.comp, csa.icomp, csa.index.packed, csa.index.scale, errors i32[9],
+         csa.comp, csa.icomp, csa.index.packed, csa.index.scale, errors i32[9] (54 with detail),
          csa.kv.nope, csa.kv.rope[, csa.kv.scale]
   rets   the aliased buffers, same order.
 "dsv4_write_layer_hca"
@@ -44,7 +44,7 @@ import jax
 from .. import config as C
 from .. import reference
 from ..donation import warn_if_eager
-from ..error_detail import ErrorOp, records_detail
+from ..error_detail import ErrorOp, meta_rows, records_detail
 from ..meta import StepMeta
 from ..params import CompressorParams
 from ..state import CacheState
@@ -78,7 +78,7 @@ def compressor_operands_given(cfg, layer, comp_kv, comp_score, params, index_kv,
     return compressed
 
 
-@records_detail(ErrorOp.WRITE_LAYER)
+@records_detail(ErrorOp.WRITE_LAYER, meta_rows)
 def write_layer(state: CacheState, layer, meta: StepMeta, kv: jax.Array,
                 comp_kv: jax.Array | None = None, comp_score: jax.Array | None = None,
                 params: CompressorParams | None = None, *, index_kv: jax.Array | None = None,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import config as C
-from ..errors import NUM_ERROR_KINDS, ErrorKind
+from ..errors import ErrorKind, add_counts
 from . import quant
 
 
@@ -37,17 +37,11 @@ def read_entries(pool, layer, block, row, kv_format, ok):
 
 
 def add_errors(errors, ok_layer, counts: dict):
-    """errors + counts when the layer is valid; else only BAD_LAYER += 1 (the
-    call is dropped and nothing else is counted)."""
-    vec = jnp.zeros((NUM_ERROR_KINDS,), jnp.int32)
-    for kind, n in counts.items():
-        vec = vec.at[int(kind)].add(jnp.asarray(n, jnp.int32))
-    bad = jnp.zeros((NUM_ERROR_KINDS,), jnp.int32).at[int(ErrorKind.BAD_LAYER)].set(1)
-    return errors + jnp.where(ok_layer, vec, bad)
-
-
-def count(mask):
-    return jnp.sum(mask, dtype=jnp.int32)
+    """errors plus `counts` ({kind: mask}, the mask's first axis the op's
+    input row, `errors.add_counts`) when the layer is valid; else only
+    BAD_LAYER += 1 (the call is dropped and nothing else is counted)."""
+    bad_layer = errors.at[int(ErrorKind.BAD_LAYER)].add(1)
+    return jnp.where(ok_layer, add_counts(errors, counts), bad_layer)
 
 
 def position_ok(token_pos, max_context: int):

@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ..errors import ErrorKind
+from ..errors import ErrorKind, add_counts
 from ..state import CacheState, E8M0, empty_accumulator
 from ._rows import set_pool_rows
 
@@ -23,8 +23,8 @@ def apply_step(state: CacheState, new_blocks: jax.Array, reset_slots: jax.Array)
 
     # 1. resets of newly admitted slots
     reset_ok = (reset_slots >= 0) & (reset_slots < R)
-    errors = errors.at[ErrorKind.BAD_SLOT].add(
-        jnp.sum((reset_slots != -1) & ~reset_ok, dtype=jnp.int32))
+    NR = reset_slots.shape[0]
+    errors = add_counts(errors, {ErrorKind.BAD_SLOT: (reset_slots != -1) & ~reset_ok})
     rs = jnp.where(reset_ok, reset_slots, R)        # R = dropped by mode="drop"
     block_table = set_pool_rows(state.block_table, (rs,), -1)
     pos = set_pool_rows(state.swa.pos, (slice(None), rs), -1)
@@ -39,9 +39,11 @@ def apply_step(state: CacheState, new_blocks: jax.Array, reset_slots: jax.Array)
     slot_ok = (s >= 0) & (s < R)
     assign_ok = (logical >= 0) & (logical < MB) & (physical >= 0) & (physical < N)
     valid = slot_ok & assign_ok
-    errors = errors.at[ErrorKind.BAD_SLOT].add(jnp.sum((s != -1) & ~slot_ok, dtype=jnp.int32))
-    errors = errors.at[ErrorKind.BAD_BLOCK_ASSIGNMENT].add(
-        jnp.sum(slot_ok & ~assign_ok, dtype=jnp.int32))
+    # error rows: the resets are rows [0, NR), new block i is row NR + i
+    before = jnp.zeros((NR,), bool)
+    errors = add_counts(errors, {
+        ErrorKind.BAD_SLOT: jnp.concatenate([before, (s != -1) & ~slot_ok]),
+        ErrorKind.BAD_BLOCK_ASSIGNMENT: jnp.concatenate([before, slot_ok & ~assign_ok])})
     nb = new_blocks.shape[0]
     later = jnp.arange(nb)[None, :] > jnp.arange(nb)[:, None]
     superseded = jnp.any(later & valid[None, :] & (s[:, None] == s[None, :])

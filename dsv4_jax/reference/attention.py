@@ -22,7 +22,7 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import CacheState
 from . import quant
-from ._rows import (add_errors, count, layer_ok, read_entries, read_index, token_checks,
+from ._rows import (add_errors, layer_ok, read_entries, read_index, token_checks,
                     visible_entries)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -31,7 +31,7 @@ SCALE = float(np.float32(1.0 / math.sqrt(C.HEAD_DIM)))
 
 def _ring(state, layer, slot, pos, good, p0):
     """Window rows of each token's ring: values [T, 128, 512], seen mask and
-    the STALE_WINDOW count. Ring row j of a query at t should hold w, the
+    the STALE_WINDOW mask [T, 128]. Ring row j of a query at t should hold w, the
     position of (t - 128, t] that is j mod 128; it is needed when w >= 0 and
     w comes before the call's own rows of the request (p0), and a needed row
     holding anything else (-1 included) is stale: counted, not read."""
@@ -46,7 +46,7 @@ def _ring(state, layer, slot, pos, good, p0):
     if p0 is not None:
         need = need & (w < p0[s][:, None])
     seen = need & (ring_pos == w)
-    return kv, seen, count(need & ~seen)
+    return kv, seen, need & ~seen
 
 
 def _chunk(cfg, chunk_kv, slot, pos, good, row_ok):
@@ -71,7 +71,7 @@ def _chunk(cfg, chunk_kv, slot, pos, good, row_ok):
 
 def _csa(state, kind_idx, slot, pos, good, topk):
     """The picked CSA entries: values [T, k, 512], seen mask, and the counts
-    BAD_INDEX, MISSING_BLOCK of the tokens that are `good`."""
+    BAD_INDEX, MISSING_BLOCK of the tokens that are `good` (masks [T, k])."""
     cfg = state.config
     R, MB, N = cfg.max_requests, cfg.max_blocks_per_request, cfg.num_blocks
     per_block = C.BLOCK_TOKENS // C.CSA_RATIO
@@ -85,12 +85,12 @@ def _csa(state, kind_idx, slot, pos, good, topk):
     row = jnp.where(seen, topk, 0) % per_block
     kv = read_entries(state.csa.kv, read_index(kind_idx, state.csa.comp.shape[0]), block, row,
                        cfg.kv_format, seen)
-    return kv, seen, {ErrorKind.BAD_INDEX: count(bad_index), ErrorKind.MISSING_BLOCK: count(missing)}
+    return kv, seen, {ErrorKind.BAD_INDEX: bad_index, ErrorKind.MISSING_BLOCK: missing}
 
 
 def _hca(state, kind_idx, slot, pos, good):
     """Every HCA entry i < (t + 1) // 128 of each token: values [T, MB, 512],
-    seen mask, MISSING_BLOCK count."""
+    seen mask, MISSING_BLOCK mask [T, MB]."""
     cfg = state.config
     R, MB, N = cfg.max_requests, cfg.max_blocks_per_request, cfg.num_blocks
     n = pos // C.HCA_RATIO + (pos % C.HCA_RATIO == C.HCA_RATIO - 1)      # (pos+1)//128, no overflow
@@ -101,7 +101,7 @@ def _hca(state, kind_idx, slot, pos, good):
     seen = need & ~missing
     kv = read_entries(state.hca.kv, read_index(kind_idx, state.hca.comp.shape[0]), block,
                        jnp.zeros_like(block), cfg.kv_format, seen)
-    return kv, seen, {ErrorKind.MISSING_BLOCK: count(missing)}
+    return kv, seen, {ErrorKind.MISSING_BLOCK: missing}
 
 
 def _inverse_rope(o, pos, inv_freq):
@@ -130,8 +130,8 @@ def attention(state: CacheState, kind: str, layer_idx, kind_idx, q, token_slot, 
     qf = q.astype(jnp.float32)
     nonfinite = row_ok & ~jnp.all(jnp.isfinite(qf), axis=(1, 2))
     good = row_ok & ~nonfinite & ok_layer
-    counts = {ErrorKind.BAD_SLOT: count(bad_slot), ErrorKind.BAD_POSITION: count(bad_pos),
-              ErrorKind.NONFINITE: count(nonfinite)}
+    counts = {ErrorKind.BAD_SLOT: bad_slot, ErrorKind.BAD_POSITION: bad_pos,
+              ErrorKind.NONFINITE: nonfinite}
     layer = read_index(layer_idx, cfg.num_layers)
 
     # (values, seen, einsum of q with the values) per source

@@ -55,7 +55,7 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import ACC_KV, ACC_MAX, ACC_SUM, CacheState, empty_accumulator
 from . import quant
-from ._rows import add_errors, count, layer_ok, read_index, set_pool_rows
+from ._rows import add_errors, layer_ok, read_index, set_pool_rows
 
 _NEG_INF = -jnp.inf
 HADAMARD_SCALE = float(np.float32(1.0 / np.sqrt(C.INDEX_DIM)))
@@ -241,10 +241,10 @@ def flush(state: CacheState, kind: str, kind_idx, token_slot, token_pos, kv, sco
     nonfinite = gated & ~bad_pos & ~missing & ~finite
     gated = gated & ok_layer
     folded = gated & ~bad_pos & ~missing & ~nonfinite
-    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
-                                                 ErrorKind.BAD_POSITION: count(bad_pos),
-                                                 ErrorKind.MISSING_BLOCK: count(missing),
-                                                 ErrorKind.NONFINITE: count(nonfinite)})
+    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: bad_slot,
+                                                 ErrorKind.BAD_POSITION: bad_pos,
+                                                 ErrorKind.MISSING_BLOCK: missing,
+                                                 ErrorKind.NONFINITE: nonfinite})
     layer = read_index(kind_idx, Lk)
     layer_w = jnp.where(ok_layer, kind_idx, Lk)                   # Lk = dropped
     slot = jnp.where(gated, token_slot, 0)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from .. import config as C
 from ..errors import ErrorKind
 from ..state import CacheState
-from ._rows import (add_errors, count, layer_ok, read_entries, read_index, token_checks,
+from ._rows import (add_errors, layer_ok, read_entries, read_index, token_checks,
                     visible_entries)
 
 
@@ -41,10 +41,10 @@ def gather_topk(state: CacheState, kind_idx, token_slot, token_pos, indices):
     block = state.block_table[read_index(token_slot, R)[:, None], col]
     missing = examined & ~bad_index & ((block < 0) | (block >= N))
     valid = examined & ~bad_index & ~missing & ok_layer
-    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
-                                                 ErrorKind.BAD_POSITION: count(bad_pos),
-                                                 ErrorKind.BAD_INDEX: count(bad_index),
-                                                 ErrorKind.MISSING_BLOCK: count(missing)})
+    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: bad_slot,
+                                                 ErrorKind.BAD_POSITION: bad_pos,
+                                                 ErrorKind.BAD_INDEX: bad_index,
+                                                 ErrorKind.MISSING_BLOCK: missing})
     row = jnp.where(valid, indices, 0) % per_block
     kv = read_entries(state.csa.kv, read_index(kind_idx, Lc), block, row, cfg.kv_format, valid)
     return kv, valid, errors
@@ -73,9 +73,9 @@ def gather_all(state: CacheState, kind_idx, slots, lengths, max_entries: int):
     block = state.block_table[read_index(slots, R)[:, None], jnp.clip(j, 0, MB - 1)]
     missing = need & ((block < 0) | (block >= N))
     ok = need & ~missing
-    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
-                                                 ErrorKind.BAD_LENGTH: count(bad_length),
-                                                 ErrorKind.MISSING_BLOCK: count(missing)})
+    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: bad_slot,
+                                                 ErrorKind.BAD_LENGTH: bad_length,
+                                                 ErrorKind.MISSING_BLOCK: missing})
     kv = read_entries(state.hca.kv, read_index(kind_idx, Lh), block, jnp.zeros_like(block),
                        cfg.kv_format, ok)
     return kv, n, errors

@@ -18,7 +18,7 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import CacheState
 from . import quant
-from ._rows import add_errors, count, layer_ok, read_index, token_checks, visible_entries
+from ._rows import add_errors, layer_ok, read_index, token_checks, visible_entries
 
 _I32 = jnp.int32
 _CHUNK_BLOCKS = 8          # logical blocks (of 32 entries) scored per map step
@@ -109,10 +109,10 @@ def indexer_topk(state: CacheState, kind_idx, token_slot, token_pos, q, weights,
     logical = jnp.arange(MB, dtype=_I32)[None, :]
     needed = logical * per_block < n_vis[:, None]
     missing = needed & ((blocks < 0) | (blocks >= N))
-    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
-                                                 ErrorKind.BAD_POSITION: count(bad_pos),
-                                                 ErrorKind.NONFINITE: count(nonfinite),
-                                                 ErrorKind.MISSING_BLOCK: count(missing)})
+    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: bad_slot,
+                                                 ErrorKind.BAD_POSITION: bad_pos,
+                                                 ErrorKind.NONFINITE: nonfinite,
+                                                 ErrorKind.MISSING_BLOCK: missing})
 
     layer = read_index(kind_idx, Lc)
     packed = state.csa.index.packed[layer]                               # [N, 32, 64]

@@ -18,7 +18,7 @@ from .. import config as C
 from ..errors import ErrorKind
 from ..state import CacheState
 from . import quant
-from ._rows import add_errors, count, layer_ok, read_index, set_pool_rows, token_checks
+from ._rows import add_errors, layer_ok, read_index, set_pool_rows, token_checks
 
 
 def _winners(slot, pos, valid, R: int):
@@ -43,9 +43,9 @@ def append(state: CacheState, layer_idx, token_slot, token_pos, kv) -> CacheStat
     valid, bad_slot, bad_pos = token_checks(token_slot, token_pos, R, cfg.max_context)
     nonfinite = valid & ~jnp.all(jnp.isfinite(kv), axis=-1)
     valid = valid & ~nonfinite & ok_layer
-    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: count(bad_slot),
-                                                 ErrorKind.BAD_POSITION: count(bad_pos),
-                                                 ErrorKind.NONFINITE: count(nonfinite)})
+    errors = add_errors(state.errors, ok_layer, {ErrorKind.BAD_SLOT: bad_slot,
+                                                 ErrorKind.BAD_POSITION: bad_pos,
+                                                 ErrorKind.NONFINITE: nonfinite})
     win = _winners(token_slot, token_pos, valid, R)
     layer = read_index(layer_idx, L)
     slot = jnp.where(win, token_slot, R)                         # R = dropped
@@ -68,7 +68,7 @@ def gather_window(state: CacheState, layer_idx, slots):
     ok_layer = layer_ok(layer_idx, L)
     slot_ok = (slots >= 0) & (slots < R)
     errors = add_errors(state.errors, ok_layer,
-                        {ErrorKind.BAD_SLOT: count((slots != -1) & ~slot_ok)})
+                        {ErrorKind.BAD_SLOT: (slots != -1) & ~slot_ok})
     layer = read_index(layer_idx, L)
     s = read_index(slots, R)
     use = (slot_ok & ok_layer)[:, None]

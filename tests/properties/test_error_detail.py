@@ -79,32 +79,37 @@ def test_first_op_and_layer_of_each_kind_are_recorded():
     plain = bad_step(plain_state, meta, x, jnp.int32(1), jnp.asarray(topk))
     cfg = CFG.replace(error_detail=True)
     state, meta = prepared(cfg)
-    assert state.errors.shape == (3 * len(K),)
+    assert state.errors.shape == (6 * len(K),)
     out = bad_step(state, meta, x, jnp.int32(1), jnp.asarray(topk))
     errors = np.asarray(out.errors)
     n = len(K)
     np.testing.assert_array_equal(errors[:n], np.asarray(plain.errors))
-    want = {K.BAD_BLOCK_ASSIGNMENT: (ErrorOp.APPLY_STEP, -1), K.BAD_SLOT: (ErrorOp.WRITE_LAYER, 0),
-            K.BAD_POSITION: (ErrorOp.WRITE_LAYER, 0), K.NONFINITE: (ErrorOp.ATTENTION, 2),
-            K.BAD_INDEX: (ErrorOp.GATHER_TOPK, 3),
+    a = int(meta.token_slot[0])
+    # (op, layer, slot, position) of the smallest row each op dropped first
+    want = {K.BAD_BLOCK_ASSIGNMENT: (ErrorOp.APPLY_STEP, -1, 0, -1),   # logical 9 of MB 4
+            K.BAD_SLOT: (ErrorOp.WRITE_LAYER, 0, 7, 0),
+            K.BAD_POSITION: (ErrorOp.WRITE_LAYER, 0, a, 1000),
+            K.NONFINITE: (ErrorOp.ATTENTION, 2, int(meta.token_slot[1]), 20),
+            K.BAD_INDEX: (ErrorOp.GATHER_TOPK, 3, a, 40),
             # the windows were never written: attention's reads at 40 and 20 are stale
-            K.STALE_WINDOW: (ErrorOp.ATTENTION, 2)}
-    got = {K(k): (ErrorOp(int(errors[n + k])), int(errors[2 * n + k]))
-           for k in range(n) if errors[n + k]}
+            K.STALE_WINDOW: (ErrorOp.ATTENTION, 2, a, 40)}
+    got = {K(k): tuple(int(errors[f * n + k]) for f in (2, 3, 4, 5))
+           for k in range(n) if errors[2 * n + k]}
     assert got == want
     assert all(errors[k] > 0 for k in want) and errors[K.BAD_SLOT] > CFG.num_layers
     with pytest.raises(dj.CacheInputError) as e:
         dj.check_errors(out)
     text = str(e.value)
-    assert "nonfinite: 2 (NaN or Inf in an input); first counted by attention, layer 2" in text
+    assert ("nonfinite: 2 (NaN or Inf in an input); first counted by attention, layer 2, "
+            f"slot {int(meta.token_slot[1])}, position 20") in text
     assert "bad_block_assignment: 1 (new block with logical or physical id out of range); " \
-           "first counted by apply_step\n" in text + "\n"
-    assert e.value.first[K.BAD_INDEX] == (None, ErrorOp.GATHER_TOPK, 3)
+           "first counted by apply_step, slot 0\n" in text + "\n"
+    assert e.value.first[K.BAD_INDEX] == (None, ErrorOp.GATHER_TOPK, 3, a, 40)
     cleared = dj.reset_errors(out)
     assert not np.asarray(cleared.errors).any()
     dj.check_errors(cleared)
     # a second step keeps the first records and adds to the counts
     again = bad_step(out, meta, x, jnp.int32(1), jnp.asarray(topk))
     e2 = np.asarray(again.errors)
-    np.testing.assert_array_equal(e2[n:], errors[n:])
+    np.testing.assert_array_equal(e2[2 * n:], errors[2 * n:])   # the records, after first_row
     np.testing.assert_array_equal(e2[:n], 2 * errors[:n])

@@ -7,12 +7,19 @@
 #include <string>
 #include <vector>
 
+#include "dsv4/error_counts.h"
 #include "dsv4/layout.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace dsv4 {
 
 namespace ffi = xla::ffi;
+
+#define DSV4_RETURN_IF_ERROR(expr)        \
+  do {                                    \
+    ::xla::ffi::Error _err = (expr);      \
+    if (_err.failure()) return _err;      \
+  } while (0)
 
 inline std::string DimsToString(ffi::Span<const int64_t> dims) {
   std::ostringstream out;
@@ -93,19 +100,50 @@ inline ffi::Error BindTokenRows(const ffi::AnyBuffer& meta, int64_t T, const int
   return ffi::Error::Success();
 }
 
+// The errors operand and its result: s32[kNumErrorKinds], or with error
+// detail one shard's whole row (s32[kNumErrorKinds * (1 + kErrorDetailFields)],
+// of which the handler writes the counters and first_row). `out` is what the
+// handler counts into (the result, aliased to `in` when the state is kept).
+constexpr int64_t kErrorsWithDetail = kNumErrorKinds * (1 + kErrorDetailFields);
+
+inline ffi::Error CheckErrorsDims(const char* name, ffi::Span<const int64_t> dims) {
+  if (dims.size() == 1 && (dims[0] == kNumErrorKinds || dims[0] == kErrorsWithDetail))
+    return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + ": expected shape [" +
+                                     std::to_string(kNumErrorKinds) + "] or, with error " +
+                                     "detail, [" + std::to_string(kErrorsWithDetail) +
+                                     "], got " + DimsToString(dims));
+}
+
+// The counters at `data` of a checked errors operand of `size` words.
+inline ErrorCounts ErrorCountsAt(int32_t* data, int64_t size) {
+  return {data, size == kErrorsWithDetail ? data + kNumErrorKinds : nullptr};
+}
+
+inline ffi::Error BindErrors(const ffi::AnyBuffer& in, const ffi::AnyBuffer& out,
+                             ErrorCounts* e) {
+  for (const auto* b : {&in, &out}) {
+    const char* name = b == &in ? "errors" : "errors (result)";
+    DSV4_RETURN_IF_ERROR(CheckType(name, b->element_type(), ffi::DataType::S32));
+    DSV4_RETURN_IF_ERROR(CheckErrorsDims(name, b->dimensions()));
+  }
+  if (in.dimensions()[0] != out.dimensions()[0])
+    return ffi::Error::InvalidArgument("errors (result): expected the shape of errors " +
+                                       DimsToString(in.dimensions()) + ", got " +
+                                       DimsToString(out.dimensions()));
+  *e = ErrorCountsAt(static_cast<int32_t*>(out.untyped_data()), out.dimensions()[0]);
+  return ffi::Error::Success();
+}
+
 // CPU handlers: the layer operand (-1 or out of range = a bad traced layer)
 // counts BAD_LAYER once and the call then changes nothing else.
-inline bool HostLayerOk(const int32_t* layer, int64_t num_layers, int32_t* errors, int64_t* l) {
+inline bool HostLayerOk(const int32_t* layer, int64_t num_layers, const ErrorCounts& errors,
+                        int64_t* l) {
   *l = *layer;
   if (*l >= 0 && *l < num_layers) return true;
-  ++errors[kBadLayer];
+  CountError(errors, kBadLayer, kNoRow);
   return false;
 }
 
-#define DSV4_RETURN_IF_ERROR(expr)        \
-  do {                                    \
-    ::xla::ffi::Error _err = (expr);      \
-    if (_err.failure()) return _err;      \
-  } while (0)
 
 }  // namespace dsv4

@@ -51,4 +51,12 @@ enum ErrorKind : int {
   kNumErrorKinds = 9,
 };
 
+// With error detail (CacheConfig(error_detail=True)) each shard's errors row
+// is kNumErrorKinds * (1 + kErrorDetailFields) words: the counters, then the
+// smallest input row each kind dropped in the running op (the handlers write
+// both), then the record the op's Python wrapper keeps (dsv4_jax/errors.py).
+constexpr int kErrorDetailFields = 5;
+// first_row of a kind no row was counted for (BAD_LAYER always)
+constexpr int32_t kNoRow = 0x7FFFFFFF;
+
 }  // namespace dsv4
