@@ -48,8 +48,9 @@ need; attention then skips those rows and counts them
 (`ErrorKind.STALE_WINDOW`), as it does for a gap or a rewind of a
 request's positions. The chunk recipe serves decode rows too (a chunk of
 one), so a step mixing prompt chunks and decode tokens takes it; a step
-of decode tokens alone may take either (the decode recipe reads no
-chunk rows). examples/serving_engine.py runs all three in a
+of decode tokens alone may take either; the decode recipe is the cheaper
+one there (it reads no chunk rows: ~10 % less a step at B = 64 on an H200,
+docs/perf/serving-engine.md). examples/serving_engine.py runs all three in a
 continuous-batching engine, docs/design/speculative.md gives the speculative
 step's contract.
 
