@@ -1,4 +1,4 @@
-// CUDA handler of append (operands in ffi/append.h, rules in
+// CUDA handler of append (operands in ffi/include/dsv4/append.h, rules in
 // dsv4_jax/ops/append.py). One launch of the block code of
 // cuda/append_block.cuh (how it finds each cell's winner and why that is
 // exact: its header): a scan grid of small blocks (a warp a token) for
@@ -6,8 +6,8 @@
 // launched so that it may start under its predecessor's tail.
 #include <cuda_runtime.h>
 
-#include "append.h"
 #include "append_block.cuh"
+#include "dsv4/append.h"
 #include "handlers_cuda.h"
 #include "launch.cuh"
 

@@ -9,7 +9,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "append.h"
+#include "dsv4/append.h"
 #include "launch.cuh"
 
 namespace dsv4 {

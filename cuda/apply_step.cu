@@ -1,4 +1,4 @@
-// CUDA handler of apply_step (semantics in ffi/apply_step.h).
+// CUDA handler of apply_step (semantics in ffi/include/dsv4/apply_step.h).
 //
 // Two launches on the handler's stream, no host sync, no allocation:
 //  1. one block: resets of block-table rows, then new-block rows (a later row
@@ -9,7 +9,7 @@
 
 #include <cmath>
 
-#include "apply_step.h"
+#include "dsv4/apply_step.h"
 #include "handlers_cuda.h"
 #include "layer_checks.cuh"
 

@@ -1,6 +1,6 @@
 // The prefill side of attention on the GPU: a chunk's rows encoded once, as
 // append will store them, into the call's scratch (AttnBindChunkScratch in
-// ffi/attention.h), with a flag per row saying whether it was finite (a row
+// ffi/include/dsv4/attention.h), with a flag per row saying whether it was finite (a row
 // with a NaN or Inf is dropped by append, so no query sees it), then decoded
 // once to the bf16 rows a query sees (docs/design.md §6: a prefill query sees
 // dequantize(quantize(chunk_kv[r])) in the pool's format). The attention

@@ -8,8 +8,8 @@
 
 #include <climits>
 
-#include "attention.h"
 #include "bf16_chunks.cuh"
+#include "dsv4/attention.h"
 #include "entry_warp.cuh"
 #include "layer_checks.cuh"
 

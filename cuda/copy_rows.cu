@@ -1,4 +1,4 @@
-// CUDA handlers of take_rows / put_rows (segment table in ffi/copy_rows.h,
+// CUDA handlers of take_rows / put_rows (segment table in ffi/include/dsv4/copy_rows.h,
 // rules in dsv4_jax/ops/copy_rows.py). One launch for every leaf of a call.
 //
 // A segment's flat rows are one contiguous run of vectors (16 bytes where the
@@ -18,7 +18,7 @@
 
 #include <cstdint>
 
-#include "copy_rows.h"
+#include "dsv4/copy_rows.h"
 #include "handlers_cuda.h"
 #include "launch.cuh"
 

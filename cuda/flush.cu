@@ -1,12 +1,12 @@
 // CUDA handlers of flush for CSA and HCA layers (operands and semantics in
-// ffi/flush.h, per-token rules in dsv4_jax/ops/flush.py). Prefill-sized
+// ffi/include/dsv4/flush.h, per-token rules in dsv4_jax/ops/flush.py). Prefill-sized
 // calls run the window plan in parallel over (request, entry)
 // (cuda/flush_windows.cuh); decode-sized ones the serial block code of
 // cuda/flush_block.cuh over the whole grid. Either is launched so that it
 // may start under its predecessor's tail (it waits before reading).
 #include <cuda_runtime.h>
 
-#include "flush.h"
+#include "dsv4/flush.h"
 #include "flush_block.cuh"
 #include "flush_windows.cuh"
 #include "handlers_cuda.h"

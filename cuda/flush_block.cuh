@@ -7,7 +7,7 @@
 // first row). That block folds the request's tokens in row order, exactly
 // the host's order, with one thread per channel holding that channel's
 // online-softmax accumulators in registers (threads 0..127 also the
-// indexer's). The gating is the host's (ffi/flush.h): the k-th row of the
+// indexer's). The gating is the host's (ffi/include/dsv4/flush.h): the k-th row of the
 // request has the expected position p0 + k, and the row whose expected
 // position ends window w closes it, dropped or not. A closing row runs the
 // epilogue across the block (BlockCloseEntry: the main entry and the indexer
@@ -38,8 +38,8 @@
 
 #include <cuda_runtime.h>
 
-#include "flush.h"
 #include "bf16_chunks.cuh"
+#include "dsv4/flush.h"
 #include "entry_warp.cuh"
 #include "launch.cuh"
 #include "layer_checks.cuh"
@@ -155,7 +155,7 @@ constexpr int kIndexBarrier = 1;
 // then norm and RoPE (pairs by shuffles). The
 // Hadamard butterflies of strides 1-16 are shuffles, those of 32 and 64 one
 // exchange among warps 0-3; warp kStoreWarp encodes the entry meanwhile.
-// The same arithmetic in the same order as the host's (ffi/flush.h).
+// The same arithmetic in the same order as the host's (ffi/include/dsv4/flush.h).
 // Every thread of the block calls it; it ends with a barrier, so sh is free.
 template <bool kCsa, Part kPart>
 __device__ void BlockCloseEntry(const FlushArgs& a, int64_t e, float v, float iv, int64_t pos,
@@ -305,7 +305,7 @@ struct MaskRows {
 };
 
 // Walks the rows of request slot s from row t0 (position p0) on, in row
-// order, under the rule of ffi/flush.h (expected positions p0 + k): the
+// order, under the rule of ffi/include/dsv4/flush.h (expected positions p0 + k): the
 // request's accumulators and t0's operands are loaded first, then `rows`
 // decides whether t0 is the request's first row (else nothing happens).
 // `kPart` says which accumulators the walk folds, closes and stores; the

@@ -7,11 +7,11 @@
 
 #include <cuda_runtime.h>
 
-#include "dsv4/flush_windows.h"
-#include "flush.h"
-#include "flush_block.cuh"
 #include "bf16_chunks.cuh"
+#include "dsv4/flush.h"
+#include "dsv4/flush_windows.h"
 #include "entry_warp.cuh"
+#include "flush_block.cuh"
 
 namespace dsv4 {
 namespace flush_kernel {

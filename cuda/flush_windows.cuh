@@ -39,12 +39,12 @@
 
 #include <cuda_runtime.h>
 
+#include "bf16_chunks.cuh"
+#include "dsv4/flush.h"
 #include "dsv4/flush_windows.h"
-#include "flush.h"
 #include "flush_block.cuh"
 #include "flush_entry_block.cuh"
 #include "flush_entry_warp.cuh"
-#include "bf16_chunks.cuh"
 #include "launch.cuh"
 #include "layer_checks.cuh"
 

@@ -1,12 +1,12 @@
-// CUDA handler of gather_all (operands in ffi/gather.h, rules in
+// CUDA handler of gather_all (operands in ffi/include/dsv4/gather.h, rules in
 // dsv4_jax/ops/gather.py). One launch; one warp per output row (b, entry),
 // two rows in flight per warp (cuda::GatherRows). Per-request outcomes (count, bad slot, bad length) are
 // written and counted by the warp of entry 0 only.
 #include <cuda_runtime.h>
 
-#include "gather.h"
-#include "handlers_cuda.h"
+#include "dsv4/gather.h"
 #include "gather_rows.cuh"
+#include "handlers_cuda.h"
 #include "launch.cuh"
 #include "layer_checks.cuh"
 

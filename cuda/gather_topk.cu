@@ -1,12 +1,12 @@
-// CUDA handler of gather_topk (operands in ffi/gather.h, rules in
+// CUDA handler of gather_topk (operands in ffi/include/dsv4/gather.h, rules in
 // dsv4_jax/ops/gather.py). One launch; one warp per output row (token, j),
 // two rows in flight per warp (cuda::GatherRows). Per-token errors (bad slot, bad position) are counted by the
 // warp of j = 0 only, so each token counts once, as on the host.
 #include <cuda_runtime.h>
 
-#include "gather.h"
-#include "handlers_cuda.h"
+#include "dsv4/gather.h"
 #include "gather_rows.cuh"
+#include "handlers_cuda.h"
 #include "launch.cuh"
 #include "layer_checks.cuh"
 

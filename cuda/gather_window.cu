@@ -1,11 +1,11 @@
-// CUDA handler of gather_window (operands in ffi/gather.h, rules in
+// CUDA handler of gather_window (operands in ffi/include/dsv4/gather.h, rules in
 // dsv4_jax/ops/gather.py). One launch; one warp per output row (b, ring
 // slot), two rows in flight per warp (cuda::GatherRows).
 #include <cuda_runtime.h>
 
-#include "gather.h"
-#include "handlers_cuda.h"
+#include "dsv4/gather.h"
 #include "gather_rows.cuh"
+#include "handlers_cuda.h"
 #include "launch.cuh"
 #include "layer_checks.cuh"
 

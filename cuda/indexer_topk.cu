@@ -1,4 +1,4 @@
-// CUDA handler of indexer_topk (operands in ffi/indexer_topk.h, rules in
+// CUDA handler of indexer_topk (operands in ffi/include/dsv4/indexer_topk.h, rules in
 // dsv4_jax/ops/indexer.py, arithmetic order in dsv4/indexer.h). Its kernels
 // are in cuda/indexer_topk/, their launch choices in launch_policy.h there.
 //
@@ -30,8 +30,8 @@
 #include <cstdint>
 #include <string>
 
+#include "dsv4/indexer_topk.h"
 #include "handlers_cuda.h"
-#include "indexer_topk.h"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/score_fp32.cuh"
 #include "indexer_topk/score_mxfp4.cuh"

@@ -4,9 +4,9 @@
 #include <vector>
 
 #include "dsv4/entries.h"
+#include "dsv4/flush.h"
 #include "dsv4/indexer.h"
 #include "dsv4/numerics.h"
-#include "flush.h"
 #include "numerics_probe.h"
 
 namespace dsv4 {

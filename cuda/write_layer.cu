@@ -1,4 +1,4 @@
-// CUDA handlers of write_layer (operands in ffi/write_layer.h, rules in
+// CUDA handlers of write_layer (operands in ffi/include/dsv4/write_layer.h, rules in
 // dsv4_jax/ops/write_layer.py): append and flush of one layer in ONE kernel
 // launch. The grid is the append role's blocks (in clusters, as the append
 // kernel launches them) followed by the flush role's; each block takes its
@@ -18,11 +18,11 @@
 #include <cuda_runtime.h>
 
 #include "append_block.cuh"
+#include "dsv4/write_layer.h"
 #include "flush_block.cuh"
 #include "flush_windows.cuh"
 #include "handlers_cuda.h"
 #include "launch.cuh"
-#include "write_layer.h"
 
 namespace dsv4 {
 namespace {

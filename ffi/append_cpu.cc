@@ -1,7 +1,7 @@
 // CPU handler of append (operands in append.h, rules in dsv4_jax/ops/append.py).
 #include <vector>
 
-#include "append.h"
+#include "dsv4/append.h"
 #include "handlers_cpu.h"
 #include "host_writes.h"
 

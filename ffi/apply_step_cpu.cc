@@ -2,7 +2,7 @@
 #include <cstring>
 #include <limits>
 
-#include "apply_step.h"
+#include "dsv4/apply_step.h"
 #include "handlers_cpu.h"
 
 namespace dsv4 {

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "attention.h"
+#include "dsv4/attention.h"
 #include "handlers_cpu.h"
 
 namespace dsv4 {

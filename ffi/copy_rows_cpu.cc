@@ -2,7 +2,7 @@
 // in dsv4_jax/ops/copy_rows.py): one memcpy per (leaf, outer index, id).
 #include <cstring>
 
-#include "copy_rows.h"
+#include "dsv4/copy_rows.h"
 #include "handlers_cpu.h"
 
 namespace dsv4 {

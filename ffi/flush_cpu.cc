@@ -6,7 +6,7 @@
 // plan for regular requests and this walk for the others (flush_plan_cpu.cc).
 #include <vector>
 
-#include "flush.h"
+#include "dsv4/flush.h"
 #include "flush_host.h"
 #include "handlers_cpu.h"
 #include "host_writes.h"

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "flush.h"
+#include "dsv4/flush.h"
 
 namespace dsv4 {
 namespace host_flush {

@@ -6,8 +6,8 @@
 // the bits of the serial walk, and the CUDA kernel runs the same plan.
 #include <vector>
 
+#include "dsv4/flush.h"
 #include "dsv4/flush_windows.h"
-#include "flush.h"
 #include "flush_host.h"
 #include "host_writes.h"
 

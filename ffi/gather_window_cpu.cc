@@ -1,7 +1,7 @@
 // CPU handler of gather_window (operands in gather.h, rules in dsv4_jax/ops/gather.py).
 #include <cstring>
 
-#include "gather.h"
+#include "dsv4/gather.h"
 #include "handlers_cpu.h"
 
 namespace dsv4 {

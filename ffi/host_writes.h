@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "append.h"
-#include "flush.h"
+#include "dsv4/append.h"
+#include "dsv4/flush.h"
 
 namespace dsv4 {
 

@@ -5,8 +5,8 @@
 #include <functional>
 #include <vector>
 
+#include "dsv4/indexer_topk.h"
 #include "handlers_cpu.h"
-#include "indexer_topk.h"
 
 namespace dsv4 {
 namespace {

@@ -9,9 +9,9 @@
 #include <string>
 
 #include "dsv4/entries.h"
+#include "dsv4/flush.h"
 #include "dsv4/indexer.h"
 #include "dsv4/numerics.h"
-#include "flush.h"
 #include "testing.h"
 
 namespace nb = nanobind;

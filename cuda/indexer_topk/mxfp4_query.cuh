@@ -3,14 +3,14 @@
 
 #include <cstdint>
 
+#include "bf16_chunks.cuh"
 #include "dsv4/indexer.h"
+#include "dsv4/indexer_topk.h"
 #include "dsv4/numerics.h"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/mxfp4_head_tree.cuh"
 #include "indexer_topk/mxfp4_mma.cuh"
 #include "indexer_topk/token.cuh"
-#include "indexer_topk.h"
-#include "bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace indexer {

@@ -3,9 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include "dsv4/indexer_topk.h"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/token.cuh"
-#include "indexer_topk.h"
 
 
 namespace dsv4 {

@@ -5,16 +5,16 @@
 
 #include <cstdint>
 
+#include "bf16_chunks.cuh"
+#include "dsv4/indexer_topk.h"
 #include "indexer_topk/key_tile_ring.cuh"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/mxfp4_head_tree.cuh"
 #include "indexer_topk/mxfp4_mma.cuh"
 #include "indexer_topk/mxfp4_query.cuh"
-#include "layer_checks.cuh"
 #include "indexer_topk/token.cuh"
-#include "indexer_topk.h"
-#include "bf16_chunks.cuh"
 #include "launch.cuh"
+#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace indexer {

@@ -23,13 +23,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "bf16_chunks.cuh"
+#include "dsv4/indexer_topk.h"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/select_keys.cuh"
 #include "indexer_topk/select_order.cuh"
 #include "indexer_topk/select_radix.cuh"
 #include "indexer_topk/token.cuh"
-#include "indexer_topk.h"
-#include "bf16_chunks.cuh"
 #include "launch.cuh"
 #include "layer_checks.cuh"
 

@@ -5,9 +5,9 @@
 
 #include <cstdint>
 
+#include "bf16_chunks.cuh"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/select_keys.cuh"
-#include "bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace indexer {

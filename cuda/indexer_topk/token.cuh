@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "indexer_topk.h"
+#include "dsv4/indexer_topk.h"
 
 namespace dsv4 {
 namespace indexer {

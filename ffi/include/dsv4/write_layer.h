@@ -18,8 +18,8 @@
 #include <utility>
 #include <vector>
 
-#include "append.h"
-#include "flush.h"
+#include "dsv4/append.h"
+#include "dsv4/flush.h"
 
 namespace dsv4 {
 
