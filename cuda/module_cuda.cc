@@ -12,7 +12,7 @@ nb::capsule Capsule(Fn* fn) {
 }
 }  // namespace
 
-// The targets in the order of ffi/module_cpu.cc: every op's two handlers
+// The targets in the order of ffi/cpu/module_cpu.cc: every op's two handlers
 // side by side.
 NB_MODULE(_dsv4_cuda, m) {
   m.def("registrations", []() {

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "numerics_probe.h"
-#include "testing.h"
+#include "testing/testing.h"
 
 namespace nb = nanobind;
 

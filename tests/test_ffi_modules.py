@@ -9,7 +9,7 @@ import pytest
 
 from dsv4_jax import _ffi
 
-# in the order both modules register them (ffi/module_cpu.cc, cuda/module_cuda.cc)
+# in the order both modules register them (ffi/cpu/module_cpu.cc, cuda/module_cuda.cc)
 OPS = ["dsv4_apply_step", "dsv4_append", "dsv4_flush_csa", "dsv4_flush_hca",
        "dsv4_write_layer_csa", "dsv4_write_layer_hca", "dsv4_gather_window", "dsv4_gather_topk",
        "dsv4_gather_all", "dsv4_indexer_topk", "dsv4_attention", "dsv4_take_rows",

@@ -2,8 +2,8 @@
 // CPU. Loaded by dsv4_jax/_ffi.py when a testing build installed it.
 #include <nanobind/nanobind.h>
 
-#include "handlers_cpu.h"
-#include "testing.h"
+#include "cpu/handlers_cpu.h"
+#include "testing/testing.h"
 
 namespace {
 

@@ -12,7 +12,7 @@
 #include "dsv4/flush.h"
 #include "dsv4/indexer.h"
 #include "dsv4/numerics.h"
-#include "testing.h"
+#include "testing/testing.h"
 
 namespace nb = nanobind;
 

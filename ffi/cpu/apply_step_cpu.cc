@@ -2,8 +2,8 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu/handlers_cpu.h"
 #include "dsv4/apply_step.h"
-#include "handlers_cpu.h"
 
 namespace dsv4 {
 namespace {

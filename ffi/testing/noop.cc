@@ -1,6 +1,6 @@
 // dsv4_noop and the testing modules' registrations (declared in testing.h):
 // no platform code, so one definition serves both testing modules.
-#include "testing.h"
+#include "testing/testing.h"
 
 namespace dsv4 {
 namespace {

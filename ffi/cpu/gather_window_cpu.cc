@@ -1,8 +1,8 @@
 // CPU handler of gather_window (operands in gather.h, rules in dsv4_jax/ops/gather.py).
 #include <cstring>
 
+#include "cpu/handlers_cpu.h"
 #include "dsv4/gather.h"
-#include "handlers_cpu.h"
 
 namespace dsv4 {
 namespace {

@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/handlers_cpu.h"
 #include "dsv4/attention.h"
-#include "handlers_cpu.h"
 
 namespace dsv4 {
 namespace {

@@ -2,8 +2,8 @@
 // in dsv4_jax/ops/copy_rows.py): one memcpy per (leaf, outer index, id).
 #include <cstring>
 
+#include "cpu/handlers_cpu.h"
 #include "dsv4/copy_rows.h"
-#include "handlers_cpu.h"
 
 namespace dsv4 {
 namespace {

@@ -6,10 +6,10 @@
 // plan for regular requests and this walk for the others (flush_plan_cpu.cc).
 #include <vector>
 
+#include "cpu/flush_host.h"
+#include "cpu/handlers_cpu.h"
+#include "cpu/host_writes.h"
 #include "dsv4/flush.h"
-#include "flush_host.h"
-#include "handlers_cpu.h"
-#include "host_writes.h"
 
 namespace dsv4 {
 namespace {

@@ -11,13 +11,13 @@
 namespace dsv4 {
 
 // dsv4_noop: its operand aliased to its result, no work. The benchmarks time
-// it as the floor of any handler's cost (dispatch, launch). ffi/noop.cc
+// it as the floor of any handler's cost (dispatch, launch). ffi/testing/noop.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Noop);
-// The module's registrations(): {"dsv4_noop": capsule}. ffi/noop.cc
+// The module's registrations(): {"dsv4_noop": capsule}. ffi/testing/noop.cc
 nanobind::dict TestingTargets();
 
 // Submodule `numerics` of the module: ffi/include/dsv4/numerics.h on the host
-// (ffi/numerics_py.cc) or run on the GPU (cuda/numerics_probe_py.cc), with the
+// (ffi/testing/numerics_py.cc) or run on the GPU (cuda/numerics_probe_py.cc), with the
 // same names and arguments.
 void BindNumerics(nanobind::module_& m);
 void BindNumericsProbe(nanobind::module_& m);

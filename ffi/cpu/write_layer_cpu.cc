@@ -1,8 +1,8 @@
 // CPU handlers of write_layer (operands in write_layer.h): append's body,
 // then flush's, each behind its own layer check, exactly as the two calls.
+#include "cpu/handlers_cpu.h"
+#include "cpu/host_writes.h"
 #include "dsv4/write_layer.h"
-#include "handlers_cpu.h"
-#include "host_writes.h"
 
 namespace dsv4 {
 namespace {

@@ -5,8 +5,8 @@
 #include <functional>
 #include <vector>
 
+#include "cpu/handlers_cpu.h"
 #include "dsv4/indexer_topk.h"
-#include "handlers_cpu.h"
 
 namespace dsv4 {
 namespace {

@@ -1,8 +1,8 @@
 // nanobind module _dsv4_cpu: hands the CPU FFI handlers to Python as capsules.
 #include <nanobind/nanobind.h>
 
+#include "cpu/handlers_cpu.h"
 #include "dsv4/layout.h"
-#include "handlers_cpu.h"
 
 namespace nb = nanobind;
 

@@ -6,10 +6,10 @@
 // the bits of the serial walk, and the CUDA kernel runs the same plan.
 #include <vector>
 
+#include "cpu/flush_host.h"
+#include "cpu/host_writes.h"
 #include "dsv4/flush.h"
 #include "dsv4/flush_windows.h"
-#include "flush_host.h"
-#include "host_writes.h"
 
 namespace dsv4 {
 namespace {

@@ -1,9 +1,9 @@
 // CPU handler of append (operands in append.h, rules in dsv4_jax/ops/append.py).
 #include <vector>
 
+#include "cpu/handlers_cpu.h"
+#include "cpu/host_writes.h"
 #include "dsv4/append.h"
-#include "handlers_cpu.h"
-#include "host_writes.h"
 
 namespace dsv4 {
 
