@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "bf16_chunks.cuh"
+#include "common/bf16_chunks.cuh"
 #include "dsv4/indexer.h"
 #include "dsv4/indexer_topk.h"
 #include "dsv4/numerics.h"
@@ -14,7 +14,7 @@
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 constexpr int kFragWords = kQueryCodeBytes / 16;             // uint4 per code region
 constexpr int kQueryPairs = kIndexHeads * kIndexScales;      // (head, block) pairs of q

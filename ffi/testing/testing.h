@@ -17,7 +17,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(Noop);
 nanobind::dict TestingTargets();
 
 // Submodule `numerics` of the module: ffi/include/dsv4/numerics.h on the host
-// (ffi/testing/numerics_py.cc) or run on the GPU (cuda/numerics_probe_py.cc), with the
+// (ffi/testing/numerics_py.cc) or run on the GPU (cuda/testing/numerics_probe_py.cc), with the
 // same names and arguments.
 void BindNumerics(nanobind::module_& m);
 void BindNumericsProbe(nanobind::module_& m);
