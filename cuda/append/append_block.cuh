@@ -1,8 +1,9 @@
 // The append kernel's block code (rules in dsv4_jax/ops/append.py), shared
-// by the append kernel (cuda/append/append.cu) and write_layer's (cuda/write_layer/write_layer.cu):
-// the shape check, grouped runs, any order and the role's entry, AppendBlock.
-// Its launch plan is append_plan.cuh, a warp's reads of the call
-// append_rows.cuh, the per-token scan append_scan.cuh.
+// by the append kernel (cuda/append/append.cu) and write_layer's
+// (cuda/write_layer/write_layer.cu): the shape check, grouped runs, any
+// order and the role's entry, AppendBlock. Its launch plan is
+// append_plan.cuh, a warp's reads of the call append_rows.cuh, the
+// per-token scan append_scan.cuh.
 //
 // The rule: per (slot, ring slot) cell, of the call's valid tokens whose kv
 // row is finite, the largest position wins, ties to the later row. A warp
