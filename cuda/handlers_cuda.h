@@ -1,20 +1,11 @@
-// The CUDA FFI handlers, one symbol per op (defined in cuda/<op>.cu).
+// The CUDA FFI handlers, one symbol per target of dsv4/ops.def (defined in
+// cuda/<op>/*.cu).
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
 
 namespace dsv4 {
-XLA_FFI_DECLARE_HANDLER_SYMBOL(ApplyStepCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(IndexerTopkCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(AppendCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FlushCsaCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FlushHcaCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(WriteLayerCsaCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(WriteLayerHcaCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherWindowCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherTopkCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherAllCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(TakeRowsCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PutRowsCuda);
+#define DSV4_OP(op, target, cpu, cuda) XLA_FFI_DECLARE_HANDLER_SYMBOL(cuda);
+#include "dsv4/ops.def"
+#undef DSV4_OP
 }  // namespace dsv4

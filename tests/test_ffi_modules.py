@@ -2,6 +2,9 @@
 test-only targets (the numerics probes, dsv4_noop, on the CPU flush on the
 serial walk alone) only in the testing modules, which a default build does
 not make (CMake option DSV4_BUILD_TESTING)."""
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,17 +12,40 @@ import pytest
 
 from dsv4_jax import _ffi
 
-# in the order both modules register them (ffi/module_cpu.cc, cuda/module_cuda.cc)
-OPS = ["dsv4_apply_step", "dsv4_append", "dsv4_flush_csa", "dsv4_flush_hca",
-       "dsv4_write_layer_csa", "dsv4_write_layer_hca", "dsv4_gather_window", "dsv4_gather_topk",
-       "dsv4_gather_all", "dsv4_indexer_topk", "dsv4_attention", "dsv4_take_rows",
-       "dsv4_put_rows"]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The one list of targets both modules register, in their order:
+# DSV4_OP(op, target, CpuHandler, CudaHandler) a line.
+OPS_DEF = ROOT / "ffi" / "include" / "dsv4" / "ops.def"
+OP_LINE = re.compile(r"^DSV4_OP\((\w+), (\w+), (\w+), (\w+)\)$", re.M)
+
+
+def _ops_def():
+    return OP_LINE.findall(OPS_DEF.read_text())
+
+
+def test_ops_list_is_well_formed_and_names_every_cuda_op_folder():
+    """Every line of ops.def parses (CMake and this file read it by the same
+    pattern), targets are unique, and the op folders it names are exactly
+    cuda/'s folders but the shared code's and the test-only one's: a kernel
+    folder no line names would never be built."""
+    text = OPS_DEF.read_text()
+    lines = [l for l in text.splitlines() if l.startswith("DSV4_OP")]
+    rows = _ops_def()
+    assert len(rows) == len(lines) >= 13
+    targets = [t for _, t, _, _ in rows]
+    assert len(set(targets)) == len(targets)
+    assert all(t.startswith("dsv4_") for t in targets)
+    folders = {p.name for p in (ROOT / "cuda").iterdir() if p.is_dir()}
+    assert {op for op, _, _, _ in rows} == folders - {"common", "testing"}
+    for op, _, _, _ in rows:
+        assert list((ROOT / "cuda" / op).glob("*.cu")), op
+        assert list((ROOT / "ffi" / "cpu").glob(f"{op}*_cpu.cc")), op
 
 
 @pytest.mark.parametrize("name", ["_dsv4_cpu", "_dsv4_cuda"])
 def test_ops_module_holds_only_the_ops_in_one_order(name):
     module = pytest.importorskip(f"dsv4_jax.{name}")
-    assert list(module.registrations()) == OPS
+    assert list(module.registrations()) == [t for _, t, _, _ in _ops_def()]
     assert not hasattr(module, "numerics")
 
 

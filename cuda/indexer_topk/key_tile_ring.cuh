@@ -3,12 +3,12 @@
 
 #include <cstdint>
 
-#include "cp_async.cuh"
+#include "common/cp_async.cuh"
 #include "indexer_topk/launch_policy.h"
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 // A tile in shared memory: the block's 32 packed keys (64 bytes each, rows
 // g and g + 1 of a quarter warp's 16-byte reads fill 32 distinct banks),

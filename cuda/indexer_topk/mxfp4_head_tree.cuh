@@ -3,11 +3,11 @@
 
 #include <cstdint>
 
-#include "bf16_chunks.cuh"
+#include "common/bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 // The fast form's head tree, scaled and signed. With s = |wq| 2^-72 (0 or in
 // [2^-122, 2^-22] by the query guards) a head's term is one saturating fma of

@@ -10,7 +10,7 @@
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 // Accumulator starts: the integer sum lands in the mantissa of these floats
 // (the forms in score_mxfp4.cuh).

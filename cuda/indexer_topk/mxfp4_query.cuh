@@ -3,18 +3,18 @@
 
 #include <cstdint>
 
+#include "common/bf16_chunks.cuh"
 #include "dsv4/indexer.h"
+#include "dsv4/indexer_topk.h"
 #include "dsv4/numerics.h"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/mxfp4_head_tree.cuh"
 #include "indexer_topk/mxfp4_mma.cuh"
 #include "indexer_topk/token.cuh"
-#include "indexer_topk.h"
-#include "bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 constexpr int kFragWords = kQueryCodeBytes / 16;             // uint4 per code region
 constexpr int kQueryPairs = kIndexHeads * kIndexScales;      // (head, block) pairs of q

@@ -3,14 +3,14 @@
 
 #include <cuda_runtime.h>
 
+#include "dsv4/indexer_topk.h"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/token.cuh"
-#include "indexer_topk.h"
 
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 // Token t's weights into ws[64] (threads 0-63); whether this thread's are finite.
 __device__ __forceinline__ bool LoadWeights(const IndexerTopkArgs& a, int64_t t, float* ws) {

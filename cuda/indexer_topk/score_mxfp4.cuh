@@ -5,20 +5,20 @@
 
 #include <cstdint>
 
+#include "common/bf16_chunks.cuh"
+#include "common/launch.cuh"
+#include "common/layer_checks.cuh"
+#include "dsv4/indexer_topk.h"
 #include "indexer_topk/key_tile_ring.cuh"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/mxfp4_head_tree.cuh"
 #include "indexer_topk/mxfp4_mma.cuh"
 #include "indexer_topk/mxfp4_query.cuh"
-#include "layer_checks.cuh"
 #include "indexer_topk/token.cuh"
-#include "indexer_topk.h"
-#include "bf16_chunks.cuh"
-#include "launch.cuh"
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 // One kernel, ScoreKernelMxfp4. Each CTA first rounds its token's q to
 // MXFP4 into shared memory (QueryOperands, while its first key tiles load):

@@ -23,19 +23,19 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/bf16_chunks.cuh"
+#include "common/launch.cuh"
+#include "common/layer_checks.cuh"
+#include "dsv4/indexer_topk.h"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/select_keys.cuh"
 #include "indexer_topk/select_order.cuh"
 #include "indexer_topk/select_radix.cuh"
 #include "indexer_topk/token.cuh"
-#include "indexer_topk.h"
-#include "bf16_chunks.cuh"
-#include "launch.cuh"
-#include "layer_checks.cuh"
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 namespace cg = cooperative_groups;
 

@@ -9,7 +9,7 @@
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 constexpr int kTopBits = 12;        // the select's first histogram: the keys' top bits
 constexpr int kTopBins = 1 << kTopBits;

@@ -5,13 +5,13 @@
 
 #include <cstdint>
 
+#include "common/bf16_chunks.cuh"
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/select_keys.cuh"
-#include "bf16_chunks.cuh"
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 // Bitonic sort (descending) of kp = 2^kLog <= kSelectThreads composites, one
 // per thread in a register: partner exchanges by shuffles within a warp and

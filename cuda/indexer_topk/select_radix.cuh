@@ -9,7 +9,7 @@
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 constexpr int kHistCopies = 8;      // radix histograms per select block
 constexpr int kHistStride = 257;

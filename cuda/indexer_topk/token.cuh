@@ -4,11 +4,11 @@
 
 #include <cstdint>
 
-#include "indexer_topk.h"
+#include "dsv4/indexer_topk.h"
 
 namespace dsv4 {
 namespace indexer {
-namespace {  // internal linkage: see cuda/indexer_topk.cu
+namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 
 struct TokenInfo {
   bool ok;       // a good token of a good layer (its q and weights not yet checked)

@@ -1,4 +1,4 @@
-"""jnp reference of apply_step (semantics in ffi/apply_step.h)."""
+"""jnp reference of apply_step (semantics in ffi/include/dsv4/apply_step.h)."""
 from __future__ import annotations
 
 import dataclasses

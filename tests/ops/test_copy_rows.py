@@ -235,7 +235,7 @@ def test_handlers_refuse_a_span_past_the_ids(impl):
 # CPU only: on the H100 (JAX 0.11.2) this error, returned by the CUDA handler,
 # kills the process with SIGSEGV inside xla_cuda_plugin.so after the handler
 # has returned (the span error above comes back cleanly there); the check is
-# the one both handlers call (ffi/copy_rows.h).
+# the one both handlers call (ffi/include/dsv4/copy_rows.h).
 @pytest.mark.parametrize("impl", [pytest.param("cpu", marks=CPU)])
 def test_handlers_refuse_rows_of_another_shape(impl):
     with pytest.raises(Exception, match=r"leaf 0: rows of shape \[2, 2, 5\]"):

@@ -11,7 +11,7 @@ entries); and chunkings of one stream with dropped tokens agreeing byte for
 byte.
 
 Every call is padded to T = 640 rows, so the CUDA flush runs its window-plan
-kernel (cuda/flush_windows.cuh, 256 rows or more): regular requests (one
+kernel (cuda/flush/flush_windows.cuh, 256 rows or more): regular requests (one
 contiguous run of consecutive positions) by the plan, the others by its
 serial walk; the CPU handler splits requests the same way at any size. The
 CUDA serial kernel of smaller calls is held to the CPU handler in

@@ -1,8 +1,8 @@
-"""flush's window-plan kernel (cuda/flush_windows.cuh) on the GPU, and its
+"""flush's window-plan kernel (cuda/flush/flush_windows.cuh) on the GPU, and its
 fallbacks. Two oracles:
 
 * the CUDA serial kernel: the same rows cut into calls of fewer than
-  kPlanMinRows (256) rows run the serial walk (cuda/flush_block.cuh), and
+  kPlanMinRows (256) rows run the serial walk (cuda/flush/flush_block.cuh), and
   the serial walk and the plan fold in the same order, so the states are
   byte-identical (same device, same expf);
 * the CPU handler (which runs the same plan): equal up to the one-code

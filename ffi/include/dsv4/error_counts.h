@@ -2,7 +2,7 @@
 // the kind's counter, and with error detail the smallest input row of the call
 // that kind dropped (dsv4_jax/error_detail.py turns it into a slot and a
 // position). The CPU handlers count with CountError here, the CUDA kernels
-// with cuda::CountErrorAtomic (cuda/layer_checks.cuh): one rule, atomics there.
+// with cuda::CountErrorAtomic (cuda/common/layer_checks.cuh): one rule, atomics there.
 #pragma once
 
 #include <cstdint>

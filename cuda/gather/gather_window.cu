@@ -1,0 +1,63 @@
+// CUDA handler of gather_window (operands in ffi/include/dsv4/gather.h, rules in
+// dsv4_jax/ops/gather.py). One launch; one warp per output row (b, ring
+// slot), two rows in flight per warp (cuda::GatherRows).
+#include <cuda_runtime.h>
+
+#include "common/launch.cuh"
+#include "common/layer_checks.cuh"
+#include "dsv4/gather.h"
+#include "gather/gather_rows.cuh"
+#include "handlers_cuda.h"
+
+namespace dsv4 {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads) GatherWindowKernel(GatherWindowArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t l = __ldg(a.layer);
+  const bool layer_ok = l >= 0 && l < a.L;
+  if (!layer_ok && blockIdx.x == 0 && threadIdx.x == 0) cuda::CountErrorAtomic(a.errors, kBadLayer, kNoRow);
+  cuda::GatherRows(a.pool, a.out_kv, a.B * kWindow, [&](int64_t row) -> int64_t {
+    const int64_t b = row / kWindow, r = row % kWindow;
+    int64_t s = layer_ok ? __ldg(a.slots + b) : -1;
+    if (s != -1 && (s < 0 || s >= a.R)) {
+      if (r == 0 && lane == 0) cuda::CountErrorAtomic(a.errors, kBadSlot, b);
+      s = -1;
+    }
+    int64_t e = -1;
+    int32_t p = -1;
+    if (s >= 0) {
+      e = (l * a.R + s) * kWindow + r;
+      p = __ldg(a.swa_pos + e);
+      if (p < 0) {
+        p = -1;
+        e = -1;
+      }
+    }
+    if (lane == 0) a.out_pos[row] = p;
+    return e;
+  });
+}
+
+ffi::Error GatherWindowImpl(cudaStream_t stream, int64_t kv_format, ffi::AnyBuffer layer,
+                            ffi::AnyBuffer slots, ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors_in,
+                            ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> out_kv,
+                            ffi::Result<ffi::AnyBuffer> out_pos,
+                            ffi::Result<ffi::AnyBuffer> errors) {
+  GatherWindowArgs a;
+  DSV4_RETURN_IF_ERROR(ValidateGatherWindow(kv_format, layer, slots, swa_pos, errors_in,
+                                            entry_args, *out_kv, *out_pos, *errors, &a));
+  unsigned grid = cuda::GridFor(a.B * kWindow, kThreads / 32, 8);
+  GatherWindowKernel<<<grid, kThreads, 0, stream>>>(a);
+  return cuda::LaunchStatus("gather_window");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherWindowCuda, GatherWindowImpl,
+                              BindGatherWindow(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace dsv4

@@ -1,0 +1,131 @@
+// write_layer: append and flush of one CSA or HCA layer in one FFI call.
+// Operands and rules: dsv4_jax/ops/write_layer.py ("dsv4_write_layer_csa",
+// "dsv4_write_layer_hca"). The operands are append's followed by flush's,
+// each checked by that op's own validation, so a bad operand is reported as
+// append or flush reports it (projections named comp_kv / comp_score here).
+//   attrs kv_format, max_context
+//   args  window_layer s32[], layer s32[], meta s32[>= 2T] (token_slot, then
+//         token_pos: the step's packed metadata whole), kv bf16[T,512],
+//         comp_kv, comp_score, ape, norm, inv_freq,
+//         [CSA: index_kv, index_score, index_ape, index_norm, index_inv_freq,]
+//         block_table s32[R,MB],
+//         then the aliased: swa.pos, swa.kv leaves, comp, [CSA: icomp,
+//         index.packed, index.scale,] errors, pool entry leaves
+//   rets  the aliased buffers, same order
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dsv4/append.h"
+#include "dsv4/flush.h"
+
+namespace dsv4 {
+
+struct WriteLayerArgs {
+  AppendArgs append;
+  FlushArgs flush;
+};
+
+template <bool kCsa, typename Binding>
+auto BindWriteLayer(Binding binding) {
+  return BindCompressorArgs<kCsa>(std::move(binding)
+                                      .template Attr<int64_t>("kv_format")
+                                      .template Attr<int64_t>("max_context")
+                                      .template Attr<int64_t>("max_rows_per_slot")
+                                      .template Arg<ffi::AnyBuffer>()   // window_layer
+                                      .template Arg<ffi::AnyBuffer>()   // layer
+                                      .template Arg<ffi::AnyBuffer>()   // meta (token rows)
+                                      .template Arg<ffi::AnyBuffer>())  // kv (the window's)
+      .RemainingArgs()   // the aliased buffers
+      .RemainingRets();  // the same, updated
+}
+
+// flush's aliased results in a write_layer call: its fixed buffers (errors
+// the last) and its pool's entry leaves.
+struct FlushAliased {
+  std::vector<ffi::AnyBuffer> fixed, leaves;
+};
+
+// The aliased operands of a write_layer call are swa.pos, the window's entry
+// leaves, then flush's `flush_fixed` buffers (errors last) and its pool's
+// entry leaves, as many as the window's (one kv_format). Counts them, checks
+// the append part (into out->append) and returns flush's part.
+inline ffi::Error ValidateWriteLayerWindow(const std::string& what, int64_t kv_format,
+                                           int64_t max_context, ffi::AnyBuffer window_layer,
+                                           ffi::AnyBuffer meta, ffi::AnyBuffer kv,
+                                           size_t flush_fixed,
+                                           const ffi::RemainingArgs& args,
+                                           const ffi::RemainingRets& rets, WriteLayerArgs* out,
+                                           FlushAliased* flush) {
+  DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
+  const size_t n = EntryLeafCount(kv_format);
+  const size_t want = 1 + n + flush_fixed + n;
+  if (args.size() != want || rets.size() != want)
+    return ffi::Error::InvalidArgument(
+        what + ": expected " + std::to_string(want) + " aliased buffers for kv_format " +
+        std::to_string(kv_format) + " (swa.pos, " + std::to_string(n) + " swa.kv leaves, " +
+        std::to_string(flush_fixed) + " of flush's, " + std::to_string(n) +
+        " pool leaves), got " + std::to_string(args.size()) + " inputs and " +
+        std::to_string(rets.size()) + " results");
+  std::vector<ffi::AnyBuffer> ins, outs;
+  DSV4_RETURN_IF_ERROR(CollectLeaves(args, &ins));
+  DSV4_RETURN_IF_ERROR(CollectLeaves(rets, &outs));
+  const size_t f = 1 + n, err = f + flush_fixed - 1;
+  const auto part = [&](size_t from, size_t count) {
+    return std::vector<ffi::AnyBuffer>(outs.begin() + from, outs.begin() + from + count);
+  };
+  flush->fixed = part(f, flush_fixed);
+  flush->leaves = part(f + flush_fixed, n);
+  return ValidateAppend(kv_format, max_context, window_layer, meta, kv, ins[0], ins[err], n,
+                        outs[0], outs[err], part(1, n), &out->append);
+}
+
+// Append's T is the rows of kv and flush's those of comp_kv: one step's
+// rows, so they must agree.
+inline ffi::Error CheckSameRows(const WriteLayerArgs& a) {
+  if (a.flush.T == a.append.T) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument("comp_kv: expected " + std::to_string(a.append.T) +
+                                     " rows (as kv), got " + std::to_string(a.flush.T));
+}
+
+inline ffi::Error ValidateWriteLayerCsa(
+    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
+    ffi::AnyBuffer window_layer, ffi::AnyBuffer layer, ffi::AnyBuffer meta, ffi::AnyBuffer kv,
+    ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
+    ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv, ffi::AnyBuffer index_score,
+    ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm, ffi::AnyBuffer index_inv_freq,
+    ffi::AnyBuffer block_table, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+    WriteLayerArgs* out) {
+  FlushAliased fa;  // comp, icomp, index.packed, index.scale, errors
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_csa", kv_format, max_context,
+                                                window_layer, meta, kv, 5, args, rets, out,
+                                                &fa));
+  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, meta,
+                                        comp_kv, comp_score, ape, norm, inv_freq, index_kv,
+                                        index_score, index_ape, index_norm, index_inv_freq,
+                                        block_table, 5 + fa.leaves.size(), fa.fixed[0],
+                                        fa.fixed[1], fa.fixed[2], fa.fixed[3], fa.fixed[4],
+                                        fa.leaves, &out->flush, "comp_"));
+  return CheckSameRows(*out);
+}
+
+inline ffi::Error ValidateWriteLayerHca(
+    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
+    ffi::AnyBuffer window_layer, ffi::AnyBuffer layer, ffi::AnyBuffer meta, ffi::AnyBuffer kv,
+    ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
+    ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table, const ffi::RemainingArgs& args,
+    const ffi::RemainingRets& rets, WriteLayerArgs* out) {
+  FlushAliased fa;  // comp, errors
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_hca", kv_format, max_context,
+                                                window_layer, meta, kv, 2, args, rets, out,
+                                                &fa));
+  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, meta,
+                                        comp_kv, comp_score, ape, norm, inv_freq, block_table,
+                                        2 + fa.leaves.size(), fa.fixed[0], fa.fixed[1], fa.leaves,
+                                        &out->flush, "comp_"));
+  return CheckSameRows(*out);
+}
+
+}  // namespace dsv4
