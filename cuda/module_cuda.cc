@@ -16,7 +16,7 @@ nb::capsule Capsule(Fn* fn) {
 NB_MODULE(_dsv4_cuda, m) {
   m.def("registrations", []() {
     nb::dict targets;
-#define DSV4_OP(op, target, cpu, cuda) targets[#target] = Capsule(dsv4::cuda);
+#define DSV4_OP(op, target, cpu, cuda, operands) targets[#target] = Capsule(dsv4::cuda);
 #include "dsv4/ops.def"
 #undef DSV4_OP
     return targets;

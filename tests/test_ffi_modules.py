@@ -14,9 +14,9 @@ from dsv4_jax import _ffi
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The one list of targets both modules register, in their order:
-# DSV4_OP(op, target, CpuHandler, CudaHandler) a line.
+# DSV4_OP(op, target, CpuHandler, CudaHandler, OPERANDS) a line.
 OPS_DEF = ROOT / "ffi" / "include" / "dsv4" / "ops.def"
-OP_LINE = re.compile(r"^DSV4_OP\((\w+), (\w+), (\w+), (\w+)\)$", re.M)
+OP_LINE = re.compile(r"^DSV4_OP\((\w+), (\w+), (\w+), (\w+), (\w+)\)$", re.M)
 
 
 def _ops_def():
@@ -32,12 +32,12 @@ def test_ops_list_is_well_formed_and_names_every_cuda_op_folder():
     lines = [l for l in text.splitlines() if l.startswith("DSV4_OP")]
     rows = _ops_def()
     assert len(rows) == len(lines) >= 13
-    targets = [t for _, t, _, _ in rows]
+    targets = [t for _, t, _, _, _ in rows]
     assert len(set(targets)) == len(targets)
     assert all(t.startswith("dsv4_") for t in targets)
     folders = {p.name for p in (ROOT / "cuda").iterdir() if p.is_dir()}
-    assert {op for op, _, _, _ in rows} == folders - {"common", "testing"}
-    for op, _, _, _ in rows:
+    assert {op for op, _, _, _, _ in rows} == folders - {"common", "testing"}
+    for op, _, _, _, _ in rows:
         assert list((ROOT / "cuda" / op).glob("*.cu")), op
         assert list((ROOT / "ffi" / "cpu").glob(f"{op}*_cpu.cc")), op
 
@@ -45,7 +45,7 @@ def test_ops_list_is_well_formed_and_names_every_cuda_op_folder():
 @pytest.mark.parametrize("name", ["_dsv4_cpu", "_dsv4_cuda"])
 def test_ops_module_holds_only_the_ops_in_one_order(name):
     module = pytest.importorskip(f"dsv4_jax.{name}")
-    assert list(module.registrations()) == [t for _, t, _, _ in _ops_def()]
+    assert list(module.registrations()) == [t for _, t, _, _, _ in _ops_def()]
     assert not hasattr(module, "numerics")
 
 

@@ -26,15 +26,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) AppendKernel(AppendArg
   append_kernel::AppendBlock(a, plan, blockIdx.x, smem, sh);
 }
 
-ffi::Error AppendImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                      ffi::AnyBuffer layer, ffi::AnyBuffer meta,
-                      ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
-                      ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
-                      ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
+ffi::Error AppendImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_APPEND_OPERANDS)) {
   AppendArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, meta, kv,
-                                      swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
-                                      entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateAppend(DSV4_NAMES(DSV4_APPEND_OPERANDS), &a));
   // a scan grid: one block a multiprocessor, only as wide as its tokens, its
   // warps sharing the block's staged copy of the call (past kGlobalScanCall rows)
   const AppendPlan plan =
@@ -51,7 +45,7 @@ ffi::Error AppendImpl(cudaStream_t stream, int64_t kv_format, int64_t max_contex
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AppendCuda, AppendImpl,
-                              BindAppend(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_APPEND_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

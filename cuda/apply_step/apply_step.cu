@@ -95,23 +95,10 @@ __global__ void ResetAndScrubKernel(ApplyStepDims d, const int32_t* __restrict__
   }
 }
 
-ffi::Error ApplyStepImpl(cudaStream_t stream, int64_t num_blocks,
-                         ffi::Buffer<ffi::S32, 2> new_blocks, ffi::Buffer<ffi::S32, 1> reset_slots,
-                         ffi::Buffer<ffi::S32, 2>, ffi::Buffer<ffi::S32, 3>,
-                         ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
-                         ffi::Buffer<ffi::S32, 1>, ffi::RemainingArgs,
-                         ffi::Result<ffi::Buffer<ffi::S32, 2>> block_table,
-                         ffi::Result<ffi::Buffer<ffi::S32, 3>> swa_pos,
-                         ffi::Result<ffi::Buffer<ffi::F32>> csa_comp,
-                         ffi::Result<ffi::Buffer<ffi::F32>> csa_icomp,
-                         ffi::Result<ffi::Buffer<ffi::F32>> hca_comp,
-                         ffi::Result<ffi::Buffer<ffi::S32, 1>> errors,
-                         ffi::RemainingRets pool_rets) {
+ffi::Error ApplyStepImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_APPLY_STEP_OPERANDS)) {
   ApplyStepDims d;
-  ScrubPools pools;
-  DSV4_RETURN_IF_ERROR(ValidateApplyStep(num_blocks, new_blocks, reset_slots, *block_table,
-                                         *swa_pos, *csa_comp, *csa_icomp, *hca_comp, *errors,
-                                         pool_rets, &d, &pools));
+  ScrubPools scrub;
+  DSV4_RETURN_IF_ERROR(ValidateApplyStep(DSV4_NAMES(DSV4_APPLY_STEP_OPERANDS), &d, &scrub));
   if (d.NR + d.NB == 0) return ffi::Error::Success();
   BlockTableKernel<<<1, kTableThreads, 0, stream>>>(d, new_blocks.typed_data(),
                                                     reset_slots.typed_data(),
@@ -121,7 +108,7 @@ ffi::Error ApplyStepImpl(cudaStream_t stream, int64_t num_blocks,
   dim3 grid(32, static_cast<unsigned>(d.NR + d.NB));
   ResetAndScrubKernel<<<grid, 256, 0, stream>>>(
       d, new_blocks.typed_data(), reset_slots.typed_data(), swa_pos->typed_data(),
-      csa_comp->typed_data(), csa_icomp->typed_data(), hca_comp->typed_data(), pools);
+      csa_comp->typed_data(), csa_icomp->typed_data(), hca_comp->typed_data(), scrub);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("apply_step launch: ") + cudaGetErrorString(err));
@@ -131,7 +118,7 @@ ffi::Error ApplyStepImpl(cudaStream_t stream, int64_t num_blocks,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ApplyStepCuda, ApplyStepImpl,
-                              BindApplyStep(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_APPLY_STEP_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

@@ -79,9 +79,9 @@ ffi::Error LaunchTensorCores(const AttentionArgs& a, cudaStream_t stream) {
       "attention");
 }
 
-ffi::Error AttentionImpl(cudaStream_t stream, DSV4_ATTENTION_OPERANDS) {
+ffi::Error AttentionImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_ATTENTION_OPERANDS)) {
   AttentionArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateAttention(DSV4_ATTENTION_OPERAND_NAMES, &a));
+  DSV4_RETURN_IF_ERROR(ValidateAttention(DSV4_NAMES(DSV4_ATTENTION_OPERANDS), &a));
   if (a.has_chunk) {
     if (!AttnBindChunkScratch(&a))
       return ffi::Error::InvalidArgument(
@@ -106,7 +106,7 @@ ffi::Error AttentionImpl(cudaStream_t stream, DSV4_ATTENTION_OPERANDS) {
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCuda, AttentionImpl,
-                              BindAttention(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_ATTENTION_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

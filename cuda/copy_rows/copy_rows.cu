@@ -123,21 +123,19 @@ ffi::Error Launch(cudaStream_t stream, const CopyRowsArgs& a) {
 
 // kToFlat: take (leaves -> flat rows); else put (flat rows -> the aliased leaves).
 template <bool kToFlat>
-ffi::Error CopyRowsImpl(cudaStream_t stream, ffi::Span<const int64_t> row_axes,
-                        ffi::Span<const int64_t> id_starts, ffi::AnyBuffer ids,
-                        ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error CopyRowsImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_COPY_ROWS_OPERANDS)) {
   CopyRowsArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateCopyRows(kToFlat, row_axes, id_starts, ids, args, rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateCopyRows(kToFlat, DSV4_NAMES(DSV4_COPY_ROWS_OPERANDS), &a));
   return Launch<kToFlat>(stream, a);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TakeRowsCuda, CopyRowsImpl<true>,
-                              BindCopyRows(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_COPY_ROWS_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PutRowsCuda, CopyRowsImpl<false>,
-                              BindCopyRows(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_COPY_ROWS_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

@@ -34,47 +34,25 @@ ffi::Error LaunchFlush(cudaStream_t stream, const FlushArgs& a, const char* what
       what);
 }
 
-ffi::Error FlushCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                        int64_t max_rows_per_slot,
-                        ffi::AnyBuffer layer, ffi::AnyBuffer meta,
-                        ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
-                        ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
-                        ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape,
-                        ffi::AnyBuffer index_norm, ffi::AnyBuffer index_inv_freq,
-                        ffi::AnyBuffer block_table, ffi::RemainingArgs rest,
-                        ffi::Result<ffi::AnyBuffer> comp, ffi::Result<ffi::AnyBuffer> icomp,
-                        ffi::Result<ffi::AnyBuffer> packed, ffi::Result<ffi::AnyBuffer> iscale,
-                        ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
+ffi::Error FlushCsaImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_FLUSH_CSA_OPERANDS)) {
   FlushArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer,
-                                        meta, kv, score, ape, norm, inv_freq,
-                                        index_kv, index_score, index_ape, index_norm,
-                                        index_inv_freq, block_table, rest, *comp, *icomp, *packed,
-                                        *iscale, *errors, entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(DSV4_NAMES(DSV4_FLUSH_CSA_OPERANDS), &a));
   return LaunchFlush<true>(stream, a, "flush_csa");
 }
 
-ffi::Error FlushHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                        int64_t max_rows_per_slot,
-                        ffi::AnyBuffer layer, ffi::AnyBuffer meta,
-                        ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
-                        ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table,
-                        ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> comp,
-                        ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
+ffi::Error FlushHcaImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_FLUSH_HCA_OPERANDS)) {
   FlushArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer,
-                                        meta, kv, score, ape, norm, inv_freq,
-                                        block_table, rest, *comp, *errors, entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateFlushHca(DSV4_NAMES(DSV4_FLUSH_HCA_OPERANDS), &a));
   return LaunchFlush<false>(stream, a, "flush_hca");
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushCsaCuda, FlushCsaImpl,
-                              BindFlushCsa(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_FLUSH_CSA_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushHcaCuda, FlushHcaImpl,
-                              BindFlushHca(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_FLUSH_HCA_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

@@ -48,15 +48,9 @@ __global__ void __launch_bounds__(kThreads) GatherAllKernel(GatherAllArgs a) {
   });
 }
 
-ffi::Error GatherAllImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                         ffi::AnyBuffer layer, ffi::AnyBuffer slots, ffi::AnyBuffer lengths,
-                         ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
-                         ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> out_kv,
-                         ffi::Result<ffi::AnyBuffer> count, ffi::Result<ffi::AnyBuffer> errors) {
+ffi::Error GatherAllImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_GATHER_ALL_OPERANDS)) {
   GatherAllArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateGatherAll(kv_format, max_context, layer, slots, lengths,
-                                         block_table, errors_in, entry_args, *out_kv, *count,
-                                         *errors, &a));
+  DSV4_RETURN_IF_ERROR(ValidateGatherAll(DSV4_NAMES(DSV4_GATHER_ALL_OPERANDS), &a));
   unsigned grid = cuda::GridFor(a.B * a.E, kThreads / 32, 8);
   GatherAllKernel<<<grid, kThreads, 0, stream>>>(a);
   return cuda::LaunchStatus("gather_all");
@@ -65,7 +59,7 @@ ffi::Error GatherAllImpl(cudaStream_t stream, int64_t kv_format, int64_t max_con
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherAllCuda, GatherAllImpl,
-                              BindGatherAll(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_GATHER_ALL_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

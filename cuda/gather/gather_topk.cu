@@ -52,16 +52,9 @@ __global__ void __launch_bounds__(kThreads) GatherTopkKernel(GatherTopkArgs a) {
   });
 }
 
-ffi::Error GatherTopkImpl(cudaStream_t stream, int64_t kv_format, ffi::AnyBuffer layer,
-                          ffi::AnyBuffer token_slot, ffi::AnyBuffer token_pos,
-                          ffi::AnyBuffer indices, ffi::AnyBuffer block_table,
-                          ffi::AnyBuffer errors_in, ffi::RemainingArgs entry_args,
-                          ffi::Result<ffi::AnyBuffer> out_kv, ffi::Result<ffi::AnyBuffer> valid,
-                          ffi::Result<ffi::AnyBuffer> errors) {
+ffi::Error GatherTopkImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_GATHER_TOPK_OPERANDS)) {
   GatherTopkArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateGatherTopk(kv_format, layer, token_slot, token_pos, indices,
-                                          block_table, errors_in, entry_args, *out_kv, *valid,
-                                          *errors, &a));
+  DSV4_RETURN_IF_ERROR(ValidateGatherTopk(DSV4_NAMES(DSV4_GATHER_TOPK_OPERANDS), &a));
   unsigned grid = cuda::GridFor(a.T * a.K, kThreads / 32, 8);
   GatherTopkKernel<<<grid, kThreads, 0, stream>>>(a);
   return cuda::LaunchStatus("gather_topk");
@@ -70,7 +63,7 @@ ffi::Error GatherTopkImpl(cudaStream_t stream, int64_t kv_format, ffi::AnyBuffer
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherTopkCuda, GatherTopkImpl,
-                              BindGatherTopk(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_GATHER_TOPK_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

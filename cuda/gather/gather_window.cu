@@ -41,14 +41,9 @@ __global__ void __launch_bounds__(kThreads) GatherWindowKernel(GatherWindowArgs 
   });
 }
 
-ffi::Error GatherWindowImpl(cudaStream_t stream, int64_t kv_format, ffi::AnyBuffer layer,
-                            ffi::AnyBuffer slots, ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors_in,
-                            ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> out_kv,
-                            ffi::Result<ffi::AnyBuffer> out_pos,
-                            ffi::Result<ffi::AnyBuffer> errors) {
+ffi::Error GatherWindowImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_GATHER_WINDOW_OPERANDS)) {
   GatherWindowArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateGatherWindow(kv_format, layer, slots, swa_pos, errors_in,
-                                            entry_args, *out_kv, *out_pos, *errors, &a));
+  DSV4_RETURN_IF_ERROR(ValidateGatherWindow(DSV4_NAMES(DSV4_GATHER_WINDOW_OPERANDS), &a));
   unsigned grid = cuda::GridFor(a.B * kWindow, kThreads / 32, 8);
   GatherWindowKernel<<<grid, kThreads, 0, stream>>>(a);
   return cuda::LaunchStatus("gather_window");
@@ -57,7 +52,7 @@ ffi::Error GatherWindowImpl(cudaStream_t stream, int64_t kv_format, ffi::AnyBuff
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherWindowCuda, GatherWindowImpl,
-                              BindGatherWindow(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_GATHER_WINDOW_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

@@ -51,18 +51,9 @@ cudaError_t AllowDynamicShared(size_t bytes) {
   return e != cudaSuccess ? e : cuda::AllowDynamicShared<kB>(static_cast<int>(bytes));
 }
 
-ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
-                           ffi::AnyBuffer token_pos, ffi::AnyBuffer q, ffi::AnyBuffer weights,
-                           ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
-                           ffi::AnyBuffer packed, ffi::AnyBuffer scale,
-                           ffi::Result<ffi::AnyBuffer> indices,
-                           ffi::Result<ffi::AnyBuffer> scratch,
-                           ffi::Result<ffi::AnyBuffer> qscratch,
-                           ffi::Result<ffi::AnyBuffer> errors, int64_t q_format) {
+ffi::Error IndexerTopkImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_INDEXER_TOPK_OPERANDS)) {
   IndexerTopkArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateIndexerTopk(layer, token_slot, token_pos, q, weights, block_table,
-                                           errors_in, packed, scale, *indices, *scratch,
-                                           *qscratch, *errors, q_format, &a));
+  DSV4_RETURN_IF_ERROR(ValidateIndexerTopk(DSV4_NAMES(DSV4_INDEXER_TOPK_OPERANDS), &a));
   if (a.K > kMaxK)
     return ffi::Error::InvalidArgument("indices (result): k must be at most " +
                                        std::to_string(kMaxK) + " on CUDA, got " +
@@ -131,7 +122,7 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, ffi::AnyBuffer layer, ffi::AnyBu
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(IndexerTopkCuda, IndexerTopkImpl,
-                              BindIndexerTopk(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              DSV4_BIND(DSV4_INDEXER_TOPK_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

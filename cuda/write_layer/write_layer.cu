@@ -119,38 +119,15 @@ ffi::Error LaunchChosen(cudaStream_t stream, const WriteLayerArgs& w, const char
   return LaunchWriteLayer<kCsa, FlushLayout::kWhole>(stream, w, what);
 }
 
-ffi::Error WriteLayerCsaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                             int64_t max_rows_per_slot,
-                             ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
-                             ffi::AnyBuffer meta,
-                             ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
-                             ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
-                             ffi::AnyBuffer index_kv, ffi::AnyBuffer index_score,
-                             ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
-                             ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table,
-                             ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error WriteLayerCsaImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_WRITE_LAYER_CSA_OPERANDS)) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(kv_format, max_context, max_rows_per_slot,
-                                             window_layer, layer, meta, kv,
-                                             comp_kv, comp_score, ape, norm, inv_freq, index_kv,
-                                             index_score, index_ape, index_norm, index_inv_freq,
-                                             block_table, args, rets, &w));
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerCsa(DSV4_NAMES(DSV4_WRITE_LAYER_CSA_OPERANDS), &w));
   return LaunchChosen<true>(stream, w, "write_layer_csa");
 }
 
-ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max_context,
-                             int64_t max_rows_per_slot,
-                             ffi::AnyBuffer window_layer, ffi::AnyBuffer layer,
-                             ffi::AnyBuffer meta,
-                             ffi::AnyBuffer kv, ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score,
-                             ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
-                             ffi::AnyBuffer block_table, ffi::RemainingArgs args,
-                             ffi::RemainingRets rets) {
+ffi::Error WriteLayerHcaImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_WRITE_LAYER_HCA_OPERANDS)) {
   WriteLayerArgs w;
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(kv_format, max_context, max_rows_per_slot,
-                                             window_layer, layer, meta, kv,
-                                             comp_kv, comp_score, ape, norm, inv_freq, block_table,
-                                             args, rets, &w));
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerHca(DSV4_NAMES(DSV4_WRITE_LAYER_HCA_OPERANDS), &w));
   return LaunchChosen<false>(stream, w, "write_layer_hca");
 }
 
@@ -158,11 +135,11 @@ ffi::Error WriteLayerHcaImpl(cudaStream_t stream, int64_t kv_format, int64_t max
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     WriteLayerCsaCuda, WriteLayerCsaImpl,
-    BindWriteLayer<true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    DSV4_BIND(DSV4_WRITE_LAYER_CSA_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     WriteLayerHcaCuda, WriteLayerHcaImpl,
-    BindWriteLayer<false>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    DSV4_BIND(DSV4_WRITE_LAYER_HCA_OPERANDS, ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace dsv4

@@ -43,15 +43,9 @@ void AppendOnHost(const AppendArgs& a, int64_t l) {
 
 namespace {
 
-ffi::Error AppendImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
-                      ffi::AnyBuffer meta, ffi::AnyBuffer kv,
-                      ffi::AnyBuffer swa_pos_in, ffi::AnyBuffer errors_in,
-                      ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> swa_pos,
-                      ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
+ffi::Error AppendImpl(DSV4_PARAMS(DSV4_APPEND_OPERANDS)) {
   AppendArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateAppend(kv_format, max_context, layer, meta, kv,
-                                      swa_pos_in, errors_in, entry_args, *swa_pos, *errors,
-                                      entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateAppend(DSV4_NAMES(DSV4_APPEND_OPERANDS), &a));
   int64_t l;
   if (HostLayerOk(a.layer, a.L, a.errors, &l)) AppendOnHost(a, l);
   return ffi::Error::Success();
@@ -59,6 +53,6 @@ ffi::Error AppendImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer lay
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AppendCpu, AppendImpl, BindAppend(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AppendCpu, AppendImpl, DSV4_BIND(DSV4_APPEND_OPERANDS, ffi::Ffi::Bind()));
 
 }  // namespace dsv4

@@ -30,31 +30,19 @@ void ResetSlot(const ApplyStepDims& d, int64_t s, int32_t* block_table, int32_t*
   reset(hca_comp, d.Lh, 1, kHeadDim);
 }
 
-ffi::Error ApplyStepImpl(int64_t num_blocks, ffi::Buffer<ffi::S32, 2> new_blocks,
-                         ffi::Buffer<ffi::S32, 1> reset_slots, ffi::Buffer<ffi::S32, 2>,
-                         ffi::Buffer<ffi::S32, 3>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
-                         ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::S32, 1>, ffi::RemainingArgs,
-                         ffi::Result<ffi::Buffer<ffi::S32, 2>> block_table,
-                         ffi::Result<ffi::Buffer<ffi::S32, 3>> swa_pos,
-                         ffi::Result<ffi::Buffer<ffi::F32>> csa_comp,
-                         ffi::Result<ffi::Buffer<ffi::F32>> csa_icomp,
-                         ffi::Result<ffi::Buffer<ffi::F32>> hca_comp,
-                         ffi::Result<ffi::Buffer<ffi::S32, 1>> errors_ret,
-                         ffi::RemainingRets pool_rets) {
+ffi::Error ApplyStepImpl(DSV4_PARAMS(DSV4_APPLY_STEP_OPERANDS)) {
   ApplyStepDims d;
-  ScrubPools pools;
-  DSV4_RETURN_IF_ERROR(ValidateApplyStep(num_blocks, new_blocks, reset_slots, *block_table,
-                                         *swa_pos, *csa_comp, *csa_icomp, *hca_comp,
-                                         *errors_ret, pool_rets, &d, &pools));
+  ScrubPools scrub;
+  DSV4_RETURN_IF_ERROR(ValidateApplyStep(DSV4_NAMES(DSV4_APPLY_STEP_OPERANDS), &d, &scrub));
   int32_t* bt = block_table->typed_data();
-  const ErrorCounts errors =
-      ErrorCountsAt(errors_ret->typed_data(), errors_ret->dimensions()[0]);
+  const ErrorCounts counts =
+      ErrorCountsAt(errors->typed_data(), errors->dimensions()[0]);
   const int32_t* resets = reset_slots.typed_data();
   for (int64_t i = 0; i < d.NR; ++i) {
     int64_t s = resets[i];
     if (s == -1) continue;
     if (s < 0 || s >= d.R) {
-      CountError(errors, kBadSlot, i);
+      CountError(counts, kBadSlot, i);
       continue;
     }
     ResetSlot(d, s, bt, swa_pos->typed_data(), csa_comp->typed_data(), csa_icomp->typed_data(),
@@ -65,24 +53,24 @@ ffi::Error ApplyStepImpl(int64_t num_blocks, ffi::Buffer<ffi::S32, 2> new_blocks
     int64_t s = rows[3 * i], logical = rows[3 * i + 1], physical = rows[3 * i + 2];
     if (s == -1) continue;
     if (s < 0 || s >= d.R) {
-      CountError(errors, kBadSlot, d.NR + i);  // error rows: the resets, then the new blocks
+      CountError(counts, kBadSlot, d.NR + i);  // error rows: the resets, then the new blocks
       continue;
     }
     if (logical < 0 || logical >= d.MB || physical < 0 || physical >= d.N) {
-      CountError(errors, kBadBlockAssignment, d.NR + i);
+      CountError(counts, kBadBlockAssignment, d.NR + i);
       continue;
     }
     bt[s * d.MB + logical] = static_cast<int32_t>(physical);
-    for (int p = 0; p < pools.count; ++p)
-      for (int64_t l = 0; l < pools.layers[p]; ++l)
-        std::memset(pools.data[p] + (l * d.N + physical) * pools.bytes_per_block[p], pools.fill[p],
-                    pools.bytes_per_block[p]);
+    for (int p = 0; p < scrub.count; ++p)
+      for (int64_t l = 0; l < scrub.layers[p]; ++l)
+        std::memset(scrub.data[p] + (l * d.N + physical) * scrub.bytes_per_block[p], scrub.fill[p],
+                    scrub.bytes_per_block[p]);
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ApplyStepCpu, ApplyStepImpl, BindApplyStep(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ApplyStepCpu, ApplyStepImpl, DSV4_BIND(DSV4_APPLY_STEP_OPERANDS, ffi::Ffi::Bind()));
 
 }  // namespace dsv4

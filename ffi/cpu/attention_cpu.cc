@@ -144,9 +144,9 @@ void AttendHead(const float* q, const float* rows, int64_t n, float sink, int64_
   *lse = m + logf(denom);
 }
 
-ffi::Error AttentionImpl(DSV4_ATTENTION_OPERANDS) {
+ffi::Error AttentionImpl(DSV4_PARAMS(DSV4_ATTENTION_OPERANDS)) {
   AttentionArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateAttention(DSV4_ATTENTION_OPERAND_NAMES, &a));
+  DSV4_RETURN_IF_ERROR(ValidateAttention(DSV4_NAMES(DSV4_ATTENTION_OPERANDS), &a));
   const int64_t heads = a.T * a.H;
   std::memset(a.out, 0, static_cast<size_t>(heads) * kHeadDim * sizeof(uint16_t));
   for (int64_t i = 0; i < heads; ++i) a.lse[i] = kNegInf;
@@ -187,6 +187,6 @@ ffi::Error AttentionImpl(DSV4_ATTENTION_OPERANDS) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpu, AttentionImpl, BindAttention(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionCpu, AttentionImpl, DSV4_BIND(DSV4_ATTENTION_OPERANDS, ffi::Ffi::Bind()));
 
 }  // namespace dsv4

@@ -30,17 +30,16 @@ void CopyRowsHost(const CopyRowsArgs& a, bool to_flat) {
 
 // kToFlat: take (leaves -> flat rows); else put (flat rows -> the aliased leaves).
 template <bool kToFlat>
-ffi::Error CopyRowsImpl(ffi::Span<const int64_t> row_axes, ffi::Span<const int64_t> id_starts,
-                        ffi::AnyBuffer ids, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error CopyRowsImpl(DSV4_PARAMS(DSV4_COPY_ROWS_OPERANDS)) {
   CopyRowsArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateCopyRows(kToFlat, row_axes, id_starts, ids, args, rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateCopyRows(kToFlat, DSV4_NAMES(DSV4_COPY_ROWS_OPERANDS), &a));
   CopyRowsHost(a, kToFlat);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TakeRowsCpu, CopyRowsImpl<true>, BindCopyRows(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PutRowsCpu, CopyRowsImpl<false>, BindCopyRows(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TakeRowsCpu, CopyRowsImpl<true>, DSV4_BIND(DSV4_COPY_ROWS_OPERANDS, ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PutRowsCpu, CopyRowsImpl<false>, DSV4_BIND(DSV4_COPY_ROWS_OPERANDS, ffi::Ffi::Bind()));
 
 }  // namespace dsv4

@@ -130,23 +130,9 @@ namespace {
 using HostFlush = void (*)(const FlushArgs&, int64_t);
 
 template <HostFlush kFlush>
-ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
-                        ffi::AnyBuffer layer,
-                        ffi::AnyBuffer meta, ffi::AnyBuffer kv,
-                        ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
-                        ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
-                        ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape,
-                        ffi::AnyBuffer index_norm, ffi::AnyBuffer index_inv_freq,
-                        ffi::AnyBuffer block_table, ffi::RemainingArgs rest,
-                        ffi::Result<ffi::AnyBuffer> comp, ffi::Result<ffi::AnyBuffer> icomp,
-                        ffi::Result<ffi::AnyBuffer> packed, ffi::Result<ffi::AnyBuffer> iscale,
-                        ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
+ffi::Error FlushCsaImpl(DSV4_PARAMS(DSV4_FLUSH_CSA_OPERANDS)) {
   FlushArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer,
-                                        meta, kv, score, ape, norm, inv_freq,
-                                        index_kv, index_score, index_ape, index_norm,
-                                        index_inv_freq, block_table, rest, *comp, *icomp, *packed,
-                                        *iscale, *errors, entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(DSV4_NAMES(DSV4_FLUSH_CSA_OPERANDS), &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   kFlush(a, l);
@@ -154,17 +140,9 @@ ffi::Error FlushCsaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows
 }
 
 template <HostFlush kFlush>
-ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
-                        ffi::AnyBuffer layer,
-                        ffi::AnyBuffer meta, ffi::AnyBuffer kv,
-                        ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
-                        ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table,
-                        ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> comp,
-                        ffi::Result<ffi::AnyBuffer> errors, ffi::RemainingRets entry_rets) {
+ffi::Error FlushHcaImpl(DSV4_PARAMS(DSV4_FLUSH_HCA_OPERANDS)) {
   FlushArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer,
-                                        meta, kv, score, ape, norm, inv_freq,
-                                        block_table, rest, *comp, *errors, entry_rets, &a));
+  DSV4_RETURN_IF_ERROR(ValidateFlushHca(DSV4_NAMES(DSV4_FLUSH_HCA_OPERANDS), &a));
   int64_t l;
   if (!HostLayerOk(a.layer, a.L, a.errors, &l)) return ffi::Error::Success();
   kFlush(a, l);
@@ -174,14 +152,14 @@ ffi::Error FlushHcaImpl(int64_t kv_format, int64_t max_context, int64_t max_rows
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushCsaCpu, FlushCsaImpl<FlushCsaOnHost>,
-                              BindFlushCsa(ffi::Ffi::Bind()));
+                              DSV4_BIND(DSV4_FLUSH_CSA_OPERANDS, ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushHcaCpu, FlushHcaImpl<FlushHcaOnHost>,
-                              BindFlushHca(ffi::Ffi::Bind()));
+                              DSV4_BIND(DSV4_FLUSH_HCA_OPERANDS, ffi::Ffi::Bind()));
 // Registered by the testing module only: every request on the serial walk,
 // the oracle of the window plan's bits.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushCsaSerialCpu, FlushCsaImpl<WalkCsaOnHost>,
-                              BindFlushCsa(ffi::Ffi::Bind()));
+                              DSV4_BIND(DSV4_FLUSH_CSA_OPERANDS, ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlushHcaSerialCpu, FlushHcaImpl<WalkHcaOnHost>,
-                              BindFlushHca(ffi::Ffi::Bind()));
+                              DSV4_BIND(DSV4_FLUSH_HCA_OPERANDS, ffi::Ffi::Bind()));
 
 }  // namespace dsv4

@@ -7,15 +7,9 @@
 namespace dsv4 {
 namespace {
 
-ffi::Error GatherAllImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
-                         ffi::AnyBuffer slots, ffi::AnyBuffer lengths, ffi::AnyBuffer block_table,
-                         ffi::AnyBuffer errors_in, ffi::RemainingArgs entry_args,
-                         ffi::Result<ffi::AnyBuffer> out_kv, ffi::Result<ffi::AnyBuffer> count,
-                         ffi::Result<ffi::AnyBuffer> errors) {
+ffi::Error GatherAllImpl(DSV4_PARAMS(DSV4_GATHER_ALL_OPERANDS)) {
   GatherAllArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateGatherAll(kv_format, max_context, layer, slots, lengths,
-                                         block_table, errors_in, entry_args, *out_kv, *count,
-                                         *errors, &a));
+  DSV4_RETURN_IF_ERROR(ValidateGatherAll(DSV4_NAMES(DSV4_GATHER_ALL_OPERANDS), &a));
   std::memset(a.out_kv, 0, static_cast<size_t>(a.B * a.E) * kHeadDim * sizeof(uint16_t));
   for (int64_t b = 0; b < a.B; ++b) a.count[b] = 0;
   int64_t l;
@@ -48,6 +42,6 @@ ffi::Error GatherAllImpl(int64_t kv_format, int64_t max_context, ffi::AnyBuffer 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherAllCpu, GatherAllImpl, BindGatherAll(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherAllCpu, GatherAllImpl, DSV4_BIND(DSV4_GATHER_ALL_OPERANDS, ffi::Ffi::Bind()));
 
 }  // namespace dsv4

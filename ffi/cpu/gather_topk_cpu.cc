@@ -7,15 +7,9 @@
 namespace dsv4 {
 namespace {
 
-ffi::Error GatherTopkImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
-                          ffi::AnyBuffer token_pos, ffi::AnyBuffer indices,
-                          ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
-                          ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> out_kv,
-                          ffi::Result<ffi::AnyBuffer> valid, ffi::Result<ffi::AnyBuffer> errors) {
+ffi::Error GatherTopkImpl(DSV4_PARAMS(DSV4_GATHER_TOPK_OPERANDS)) {
   GatherTopkArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateGatherTopk(kv_format, layer, token_slot, token_pos, indices,
-                                          block_table, errors_in, entry_args, *out_kv, *valid,
-                                          *errors, &a));
+  DSV4_RETURN_IF_ERROR(ValidateGatherTopk(DSV4_NAMES(DSV4_GATHER_TOPK_OPERANDS), &a));
   const int64_t rows = a.T * a.K;
   std::memset(a.out_kv, 0, static_cast<size_t>(rows) * kHeadDim * sizeof(uint16_t));
   for (int64_t i = 0; i < rows; ++i) a.valid[i] = false;
@@ -56,6 +50,6 @@ ffi::Error GatherTopkImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffe
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherTopkCpu, GatherTopkImpl, BindGatherTopk(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherTopkCpu, GatherTopkImpl, DSV4_BIND(DSV4_GATHER_TOPK_OPERANDS, ffi::Ffi::Bind()));
 
 }  // namespace dsv4

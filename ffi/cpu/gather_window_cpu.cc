@@ -7,14 +7,9 @@
 namespace dsv4 {
 namespace {
 
-ffi::Error GatherWindowImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffer slots,
-                            ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors_in,
-                            ffi::RemainingArgs entry_args, ffi::Result<ffi::AnyBuffer> out_kv,
-                            ffi::Result<ffi::AnyBuffer> out_pos,
-                            ffi::Result<ffi::AnyBuffer> errors) {
+ffi::Error GatherWindowImpl(DSV4_PARAMS(DSV4_GATHER_WINDOW_OPERANDS)) {
   GatherWindowArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateGatherWindow(kv_format, layer, slots, swa_pos, errors_in,
-                                            entry_args, *out_kv, *out_pos, *errors, &a));
+  DSV4_RETURN_IF_ERROR(ValidateGatherWindow(DSV4_NAMES(DSV4_GATHER_WINDOW_OPERANDS), &a));
   const int64_t rows = a.B * kWindow;
   std::memset(a.out_kv, 0, static_cast<size_t>(rows) * kHeadDim * sizeof(uint16_t));
   for (int64_t i = 0; i < rows; ++i) a.out_pos[i] = -1;
@@ -41,6 +36,6 @@ ffi::Error GatherWindowImpl(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuf
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherWindowCpu, GatherWindowImpl,
-                              BindGatherWindow(ffi::Ffi::Bind()));
+                              DSV4_BIND(DSV4_GATHER_WINDOW_OPERANDS, ffi::Ffi::Bind()));
 
 }  // namespace dsv4

@@ -5,7 +5,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace dsv4 {
-#define DSV4_OP(op, target, cpu, cuda) XLA_FFI_DECLARE_HANDLER_SYMBOL(cpu);
+#define DSV4_OP(op, target, cpu, cuda, operands) XLA_FFI_DECLARE_HANDLER_SYMBOL(cpu);
 #include "dsv4/ops.def"
 #undef DSV4_OP
 // Test-only (the testing module registers them, the ops module does not):

@@ -11,18 +11,9 @@
 namespace dsv4 {
 namespace {
 
-ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
-                           ffi::AnyBuffer token_pos, ffi::AnyBuffer q, ffi::AnyBuffer weights,
-                           ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
-                           ffi::AnyBuffer packed, ffi::AnyBuffer scale,
-                           ffi::Result<ffi::AnyBuffer> indices,
-                           ffi::Result<ffi::AnyBuffer> scratch,
-                           ffi::Result<ffi::AnyBuffer> qscratch,
-                           ffi::Result<ffi::AnyBuffer> errors, int64_t q_format) {
+ffi::Error IndexerTopkImpl(DSV4_PARAMS(DSV4_INDEXER_TOPK_OPERANDS)) {
   IndexerTopkArgs a;
-  DSV4_RETURN_IF_ERROR(ValidateIndexerTopk(layer, token_slot, token_pos, q, weights, block_table,
-                                           errors_in, packed, scale, *indices, *scratch,
-                                           *qscratch, *errors, q_format, &a));
+  DSV4_RETURN_IF_ERROR(ValidateIndexerTopk(DSV4_NAMES(DSV4_INDEXER_TOPK_OPERANDS), &a));
   const bool mxfp4 = a.q_format == kQueryMxfp4;
   for (int64_t i = 0; i < a.T * a.K; ++i) a.indices[i] = -1;
   int64_t l;
@@ -121,6 +112,6 @@ ffi::Error IndexerTopkImpl(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IndexerTopkCpu, IndexerTopkImpl, BindIndexerTopk(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IndexerTopkCpu, IndexerTopkImpl, DSV4_BIND(DSV4_INDEXER_TOPK_OPERANDS, ffi::Ffi::Bind()));
 
 }  // namespace dsv4

@@ -2,7 +2,16 @@
 #include <nanobind/nanobind.h>
 
 #include "cpu/handlers_cpu.h"
+#include "dsv4/append.h"
+#include "dsv4/apply_step.h"
+#include "dsv4/attention.h"
+#include "dsv4/copy_rows.h"
+#include "dsv4/flush.h"
+#include "dsv4/gather.h"
+#include "dsv4/indexer_topk.h"
 #include "dsv4/layout.h"
+#include "dsv4/operands.h"
+#include "dsv4/write_layer.h"
 
 namespace nb = nanobind;
 
@@ -11,12 +20,28 @@ template <typename Fn>
 nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
+
+nb::list OperandList(const std::vector<std::pair<const char*, const char*>>& operands) {
+  nb::list out;
+  for (const auto& [role, name] : operands) out.append(nb::make_tuple(role, name));
+  return out;
+}
 }  // namespace
 
 NB_MODULE(_dsv4_cpu, m) {
   m.def("registrations", []() {
     nb::dict targets;
-#define DSV4_OP(op, target, cpu, cuda) targets[#target] = Capsule(dsv4::cpu);
+#define DSV4_OP(op, target, cpu, cuda, operands) targets[#target] = Capsule(dsv4::cpu);
+#include "dsv4/ops.def"
+#undef DSV4_OP
+    return targets;
+  });
+  // Each target's operands as its handlers bind them: (role, name) in order
+  // (dsv4/operands.h). The call sites find their aliases in it by name.
+  m.def("operands", []() {
+    nb::dict targets;
+#define DSV4_OP(op, target, cpu, cuda, operands) \
+  targets[#target] = OperandList(DSV4_OPERAND_LIST(operands));
 #include "dsv4/ops.def"
 #undef DSV4_OP
     return targets;

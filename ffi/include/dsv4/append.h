@@ -14,6 +14,7 @@
 #include "dsv4/entry_checks.h"
 #include "dsv4/ffi_checks.h"
 #include "dsv4/layout.h"
+#include "dsv4/operands.h"
 
 namespace dsv4 {
 
@@ -28,21 +29,12 @@ struct AppendArgs {
   EntryPool pool;                  // [L, R, 128] entries
 };
 
-template <typename Binding>
-auto BindAppend(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Attr<int64_t>("max_context")
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // meta (token_slot, token_pos)
-      .template Arg<ffi::AnyBuffer>()  // kv
-      .template Arg<ffi::AnyBuffer>()  // swa.pos
-      .template Arg<ffi::AnyBuffer>()  // errors
-      .RemainingArgs()                 // entry leaves
-      .template Ret<ffi::AnyBuffer>()  // swa.pos
-      .template Ret<ffi::AnyBuffer>()  // errors
-      .RemainingRets();                // entry leaves
-}
+// The handlers' operands (dsv4/operands.h).
+#define DSV4_APPEND_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                    \
+  ATTR(int64_t, kv_format) ATTR(int64_t, max_context) ARG(ffi::AnyBuffer, layer)            \
+  ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv) ARG(ffi::AnyBuffer, swa_pos_in)         \
+  ARG(ffi::AnyBuffer, errors_in) ARGS(swa_kv_in) RET(ffi::AnyBuffer, swa_pos)               \
+  RET(ffi::AnyBuffer, errors) RETS(swa_kv)
 
 // `num_entry_args`: how many entry leaves came as inputs; `leaves`: the
 // entry results (aliased to them), which the handler writes.
@@ -77,16 +69,12 @@ inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::An
   return ffi::Error::Success();
 }
 
-// The same, for append's own handlers (entry leaves as remaining operands).
-inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
-                                 ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
-                                 ffi::AnyBuffer errors_in, const ffi::RemainingArgs& entry_args,
-                                 ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors,
-                                 const ffi::RemainingRets& entry_rets, AppendArgs* out) {
+// The same, for append's own handlers.
+inline ffi::Error ValidateAppend(DSV4_PARAMS(DSV4_APPEND_OPERANDS), AppendArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
-  return ValidateAppend(kv_format, max_context, layer, meta, kv, swa_pos_in,
-                        errors_in, entry_args.size(), swa_pos, errors, leaves, out);
+  DSV4_RETURN_IF_ERROR(CollectLeaves(swa_kv, &leaves));
+  return ValidateAppend(kv_format, max_context, layer, meta, kv, swa_pos_in, errors_in,
+                        swa_kv_in.size(), *swa_pos, *errors, leaves, out);
 }
 
 }  // namespace dsv4

@@ -18,6 +18,7 @@
 
 #include "dsv4/ffi_checks.h"
 #include "dsv4/layout.h"
+#include "dsv4/operands.h"
 
 namespace dsv4 {
 
@@ -35,67 +36,51 @@ struct ScrubPools {
   uint8_t fill[kMaxScrubPools] = {};
 };
 
-template <typename Binding>
-auto BindApplyStep(Binding binding) {
-  return std::move(binding).template Attr<int64_t>("num_blocks")
-      .template Arg<ffi::Buffer<ffi::S32, 2>>()   // new_blocks
-      .template Arg<ffi::Buffer<ffi::S32, 1>>()   // reset_slots
-      .template Arg<ffi::Buffer<ffi::S32, 2>>()   // block_table
-      .template Arg<ffi::Buffer<ffi::S32, 3>>()   // swa_pos
-      .template Arg<ffi::Buffer<ffi::F32>>()      // csa_comp
-      .template Arg<ffi::Buffer<ffi::F32>>()      // csa_icomp
-      .template Arg<ffi::Buffer<ffi::F32>>()      // hca_comp
-      .template Arg<ffi::Buffer<ffi::S32, 1>>()   // errors
-      .RemainingArgs()                            // pools
-      .template Ret<ffi::Buffer<ffi::S32, 2>>()
-      .template Ret<ffi::Buffer<ffi::S32, 3>>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Ret<ffi::Buffer<ffi::S32, 1>>()
-      .RemainingRets();
-}
+// The handlers' operands (dsv4/operands.h); typed buffers, the types named
+// so they pass through the macro.
+using S32Rank1 = ffi::Buffer<ffi::S32, 1>;
+using S32Rank2 = ffi::Buffer<ffi::S32, 2>;
+using S32Rank3 = ffi::Buffer<ffi::S32, 3>;
+using F32Buffer = ffi::Buffer<ffi::F32>;
+#define DSV4_APPLY_STEP_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                \
+  ATTR(int64_t, num_blocks) ARG(S32Rank2, new_blocks) ARG(S32Rank1, reset_slots)            \
+  ARG(S32Rank2, block_table_in) ARG(S32Rank3, swa_pos_in) ARG(F32Buffer, csa_comp_in)       \
+  ARG(F32Buffer, csa_icomp_in) ARG(F32Buffer, hca_comp_in) ARG(S32Rank1, errors_in)         \
+  ARGS(pools_in) RET(S32Rank2, block_table) RET(S32Rank3, swa_pos) RET(F32Buffer, csa_comp) \
+  RET(F32Buffer, csa_icomp) RET(F32Buffer, hca_comp) RET(S32Rank1, errors) RETS(pools)
 
-// Checks every operand and fills `dims` and `pools` (from the result buffers,
-// which alias the inputs).
-inline ffi::Error ValidateApplyStep(int64_t num_blocks, ffi::Buffer<ffi::S32, 2> new_blocks,
-                                    ffi::Buffer<ffi::S32, 1> reset_slots,
-                                    ffi::Buffer<ffi::S32, 2> block_table,
-                                    ffi::Buffer<ffi::S32, 3> swa_pos,
-                                    ffi::Buffer<ffi::F32> csa_comp,
-                                    ffi::Buffer<ffi::F32> csa_icomp,
-                                    ffi::Buffer<ffi::F32> hca_comp,
-                                    ffi::Buffer<ffi::S32, 1> errors,
-                                    ffi::RemainingRets pool_rets, ApplyStepDims* dims,
-                                    ScrubPools* pools) {
+// Checks every operand and fills `dims` and `scrub` (from the results,
+// which alias the arguments).
+inline ffi::Error ValidateApplyStep(DSV4_PARAMS(DSV4_APPLY_STEP_OPERANDS), ApplyStepDims* dims,
+                                    ScrubPools* scrub) {
   ApplyStepDims d;
-  d.R = block_table.dimensions()[0];
-  d.MB = block_table.dimensions()[1];
+  d.R = block_table->dimensions()[0];
+  d.MB = block_table->dimensions()[1];
   d.N = num_blocks;
-  d.L = swa_pos.dimensions()[0];
+  d.L = swa_pos->dimensions()[0];
   d.NB = new_blocks.dimensions()[0];
   d.NR = reset_slots.dimensions()[0];
   DSV4_RETURN_IF_ERROR(CheckDims("new_blocks", new_blocks.dimensions(), {-1, 3}));
-  DSV4_RETURN_IF_ERROR(CheckDims("swa.pos", swa_pos.dimensions(), {-1, d.R, kWindow}));
-  if (csa_comp.dimensions().size() != 5)
+  DSV4_RETURN_IF_ERROR(CheckDims("swa.pos", swa_pos->dimensions(), {-1, d.R, kWindow}));
+  if (csa_comp->dimensions().size() != 5)
     return ffi::Error::InvalidArgument("csa.comp: expected rank 5, got " +
-                                       DimsToString(csa_comp.dimensions()));
-  if (hca_comp.dimensions().size() != 5)
+                                       DimsToString(csa_comp->dimensions()));
+  if (hca_comp->dimensions().size() != 5)
     return ffi::Error::InvalidArgument("hca.comp: expected rank 5, got " +
-                                       DimsToString(hca_comp.dimensions()));
-  d.Lc = csa_comp.dimensions()[0];
-  d.Lh = hca_comp.dimensions()[0];
-  DSV4_RETURN_IF_ERROR(CheckDims("csa.comp", csa_comp.dimensions(), {d.Lc, d.R, 2, 3, kHeadDim}));
+                                       DimsToString(hca_comp->dimensions()));
+  d.Lc = csa_comp->dimensions()[0];
+  d.Lh = hca_comp->dimensions()[0];
+  DSV4_RETURN_IF_ERROR(CheckDims("csa.comp", csa_comp->dimensions(), {d.Lc, d.R, 2, 3, kHeadDim}));
   DSV4_RETURN_IF_ERROR(
-      CheckDims("csa.icomp", csa_icomp.dimensions(), {d.Lc, d.R, 2, 3, kIndexDim}));
-  DSV4_RETURN_IF_ERROR(CheckDims("hca.comp", hca_comp.dimensions(), {d.Lh, d.R, 1, 3, kHeadDim}));
-  DSV4_RETURN_IF_ERROR(CheckErrorsDims("errors", errors.dimensions()));
-  if (pool_rets.size() > static_cast<size_t>(kMaxScrubPools))
+      CheckDims("csa.icomp", csa_icomp->dimensions(), {d.Lc, d.R, 2, 3, kIndexDim}));
+  DSV4_RETURN_IF_ERROR(CheckDims("hca.comp", hca_comp->dimensions(), {d.Lh, d.R, 1, 3, kHeadDim}));
+  DSV4_RETURN_IF_ERROR(CheckErrorsDims("errors", errors->dimensions()));
+  if (pools.size() > static_cast<size_t>(kMaxScrubPools))
     return ffi::Error::InvalidArgument("pools: at most 8 pool buffers, got " +
-                                       std::to_string(pool_rets.size()));
-  pools->count = static_cast<int>(pool_rets.size());
-  for (size_t i = 0; i < pool_rets.size(); ++i) {
-    auto pool = pool_rets.get<ffi::AnyBuffer>(i);
+                                       std::to_string(pools.size()));
+  scrub->count = static_cast<int>(pools.size());
+  for (size_t i = 0; i < pools.size(); ++i) {
+    auto pool = pools.get<ffi::AnyBuffer>(i);
     if (pool.has_error()) return pool.error();
     auto pdims = pool.value()->dimensions();
     if (pdims.size() < 2 || pdims[1] != d.N)
@@ -104,11 +89,11 @@ inline ffi::Error ValidateApplyStep(int64_t num_blocks, ffi::Buffer<ffi::S32, 2>
                                          std::to_string(d.N) + ", ...], got " +
                                          DimsToString(pdims));
     int64_t layers = pdims[0];
-    pools->data[i] = static_cast<uint8_t*>(pool.value()->untyped_data());
-    pools->layers[i] = layers;
-    pools->bytes_per_block[i] =
+    scrub->data[i] = static_cast<uint8_t*>(pool.value()->untyped_data());
+    scrub->layers[i] = layers;
+    scrub->bytes_per_block[i] =
         layers * d.N == 0 ? 0 : static_cast<int64_t>(pool.value()->size_bytes()) / (layers * d.N);
-    pools->fill[i] =
+    scrub->fill[i] =
         pool.value()->element_type() == ffi::DataType::F8E8M0FNU ? kBlankScaleE8m0 : 0;
   }
   *dims = d;

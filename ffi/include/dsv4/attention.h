@@ -22,6 +22,7 @@
 #include "dsv4/entry_checks.h"
 #include "dsv4/ffi_checks.h"
 #include "dsv4/layout.h"
+#include "dsv4/operands.h"
 
 namespace dsv4 {
 
@@ -68,30 +69,16 @@ inline bool AttnBindChunkScratch(AttentionArgs* a) {
   return true;
 }
 
-template <typename Binding>
-auto BindAttention(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Attr<int64_t>("kind")
-      .template Attr<int64_t>("kernel")
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // comp_layer
-      .template Arg<ffi::AnyBuffer>()  // q
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
-      .template Arg<ffi::AnyBuffer>()  // topk
-      .template Arg<ffi::AnyBuffer>()  // chunk_kv
-      .template Arg<ffi::AnyBuffer>()  // sink
-      .template Arg<ffi::AnyBuffer>()  // inv_freq
-      .template Arg<ffi::AnyBuffer>()  // block_table
-      .template Arg<ffi::AnyBuffer>()  // swa.pos
-      .template Arg<ffi::AnyBuffer>()  // errors
-      .RemainingArgs()                 // swa.kv leaves, then the pool's
-      .template Ret<ffi::AnyBuffer>()  // out
-      .template Ret<ffi::AnyBuffer>()  // lse
-      .template Ret<ffi::AnyBuffer>()  // errors
-      .template Ret<ffi::AnyBuffer>();  // scratch
-}
+// The handlers' operands (dsv4/operands.h): the remaining arguments are
+// swa.kv's entry leaves, then the pool's (none for SWA).
+#define DSV4_ATTENTION_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
+  ATTR(int64_t, kv_format) ATTR(int64_t, kind) ATTR(int64_t, kernel)                        \
+  ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, comp_layer) ARG(ffi::AnyBuffer, q)         \
+  ARG(ffi::AnyBuffer, token_slot) ARG(ffi::AnyBuffer, token_pos) ARG(ffi::AnyBuffer, topk)  \
+  ARG(ffi::AnyBuffer, chunk_kv) ARG(ffi::AnyBuffer, sink) ARG(ffi::AnyBuffer, inv_freq)     \
+  ARG(ffi::AnyBuffer, block_table) ARG(ffi::AnyBuffer, swa_pos) ARG(ffi::AnyBuffer, errors_in) \
+  ARGS(entries) RET(ffi::AnyBuffer, out) RET(ffi::AnyBuffer, lse) RET(ffi::AnyBuffer, errors) \
+  RET(ffi::AnyBuffer, scratch)
 
 // The ring entry of window position w for slot s of global layer l (seen
 // when swa.pos holds w there).
@@ -131,23 +118,7 @@ DSV4_HD bool AttnCompressedItem(const AttentionArgs& a, int64_t lk, int64_t t, i
   return true;
 }
 
-// The handlers' operands in BindAttention's order (the CUDA handler's stream
-// comes first): one list for both handlers and ValidateAttention, and the
-// names to pass them on with.
-#define DSV4_ATTENTION_OPERANDS                                                              \
-  int64_t kv_format, int64_t kind, int64_t kernel, ffi::AnyBuffer layer,                     \
-      ffi::AnyBuffer comp_layer, ffi::AnyBuffer q, ffi::AnyBuffer token_slot,                \
-      ffi::AnyBuffer token_pos,                                                              \
-      ffi::AnyBuffer topk, ffi::AnyBuffer chunk_kv, ffi::AnyBuffer sink,                     \
-      ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table, ffi::AnyBuffer swa_pos,           \
-      ffi::AnyBuffer errors_in, ffi::RemainingArgs entry_args,                               \
-      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,                      \
-      ffi::Result<ffi::AnyBuffer> errors, ffi::Result<ffi::AnyBuffer> scratch
-#define DSV4_ATTENTION_OPERAND_NAMES                                                         \
-  kv_format, kind, kernel, layer, comp_layer, q, token_slot, token_pos, topk, chunk_kv,      \
-      sink, inv_freq, block_table, swa_pos, errors_in, entry_args, out, lse, errors, scratch
-
-inline ffi::Error ValidateAttention(DSV4_ATTENTION_OPERANDS, AttentionArgs* result) {
+inline ffi::Error ValidateAttention(DSV4_PARAMS(DSV4_ATTENTION_OPERANDS), AttentionArgs* result) {
   AttentionArgs a;
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   if (kind != kAttnSwa && kind != kAttnCsa && kind != kAttnHca)
@@ -192,7 +163,7 @@ inline ffi::Error ValidateAttention(DSV4_ATTENTION_OPERANDS, AttentionArgs* resu
   a.L = swa_pos.dimensions()[0];
   DSV4_RETURN_IF_ERROR(BindErrors(errors_in, *errors, &a.errors));
   std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
+  DSV4_RETURN_IF_ERROR(CollectLeaves(entries, &leaves));
   const size_t per = EntryLeafCount(kv_format);
   const size_t want = a.kind == kAttnSwa ? per : 2 * per;
   if (leaves.size() != want)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dsv4/ffi_checks.h"
+#include "dsv4/operands.h"
 
 namespace dsv4 {
 
@@ -53,17 +54,12 @@ inline int64_t SegmentVectors(const RowSegment& s) {
   return s.outer * s.n * (s.row_bytes >> s.vec_shift);
 }
 
-// take: args ids s32[M], leaves...; rets flat leaves...
-// put:  args ids s32[M], leaves..., flat leaves...; rets leaves... (aliased)
-template <typename Binding>
-auto BindCopyRows(Binding binding) {
-  return std::move(binding)
-      .template Attr<ffi::Span<const int64_t>>("row_axes")
-      .template Attr<ffi::Span<const int64_t>>("id_starts")
-      .template Arg<ffi::AnyBuffer>()  // ids
-      .RemainingArgs()                 // leaves (put: then their flat rows)
-      .RemainingRets();                // flat rows (take) or the leaves (put)
-}
+// The handlers' operands (dsv4/operands.h), one list for both targets: take's
+// leaves are the leaves and its results their flat rows; put's leaves are the
+// leaves then their flat rows, its results the leaves (aliased).
+#define DSV4_COPY_ROWS_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
+  ATTR(ffi::Span<const int64_t>, row_axes) ATTR(ffi::Span<const int64_t>, id_starts)        \
+  ARG(ffi::AnyBuffer, ids) ARGS(leaves) RETS(results)
 
 // The flat leaf's row count: its dims are the leaf's with the row axis of
 // size n, or (n = 1) without the row axis. -1 if neither.
@@ -126,35 +122,33 @@ inline ffi::Error BindRowSegment(int k, int64_t axis, int64_t id_start, const ff
 }
 
 // `to_flat`: take (state -> flat); else put (flat -> the aliased leaves).
-inline ffi::Error ValidateCopyRows(bool to_flat, ffi::Span<const int64_t> row_axes,
-                                   ffi::Span<const int64_t> id_starts, const ffi::AnyBuffer& ids,
-                                   const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+inline ffi::Error ValidateCopyRows(bool to_flat, DSV4_PARAMS(DSV4_COPY_ROWS_OPERANDS),
                                    CopyRowsArgs* out) {
   CopyRowsArgs a;
   DSV4_RETURN_IF_ERROR(CheckBuffer("ids", ids, ffi::DataType::S32, {-1}));
-  const int64_t k = static_cast<int64_t>(rets.size());
+  const int64_t k = static_cast<int64_t>(results.size());
   const int64_t want_args = to_flat ? k : 2 * k;
-  if (static_cast<int64_t>(args.size()) != want_args ||
+  if (static_cast<int64_t>(leaves.size()) != want_args ||
       static_cast<int64_t>(row_axes.size()) != k || static_cast<int64_t>(id_starts.size()) != k)
     return ffi::Error::InvalidArgument(
         "copy_rows: " + std::to_string(k) + " results need " + std::to_string(want_args) +
         " leaf operands, " + std::to_string(k) + " row axes and id starts, got " +
-        std::to_string(args.size()) + ", " + std::to_string(row_axes.size()) + " and " +
+        std::to_string(leaves.size()) + ", " + std::to_string(row_axes.size()) + " and " +
         std::to_string(id_starts.size()));
   if (k > kMaxRowSegments)
     return ffi::Error::InvalidArgument("copy_rows: at most " + std::to_string(kMaxRowSegments) +
                                        " leaves a call, got " + std::to_string(k));
   for (int64_t i = 0; i < k; ++i) {
-    auto ret = rets.get<ffi::AnyBuffer>(i);
+    auto ret = results.get<ffi::AnyBuffer>(i);
     if (ret.has_error()) return ret.error();
-    auto leaf = args.get<ffi::AnyBuffer>(i);
+    auto leaf = leaves.get<ffi::AnyBuffer>(i);
     if (leaf.has_error()) return leaf.error();
     if (to_flat) {
       DSV4_RETURN_IF_ERROR(BindRowSegment(static_cast<int>(i), row_axes[i], id_starts[i], ids,
                                           *leaf, **ret, &a.seg[i]));
       continue;
     }
-    auto flat = args.get<ffi::AnyBuffer>(k + i);
+    auto flat = leaves.get<ffi::AnyBuffer>(k + i);
     if (flat.has_error()) return flat.error();
     auto dims = leaf->dimensions();
     if ((*ret)->element_type() != leaf->element_type())

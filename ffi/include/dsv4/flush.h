@@ -30,6 +30,7 @@
 #include "dsv4/ffi_checks.h"
 #include "dsv4/layout.h"
 #include "dsv4/numerics.h"
+#include "dsv4/operands.h"
 
 namespace dsv4 {
 
@@ -104,59 +105,31 @@ struct FlushArgs {
   EntryPool pool;                   // [L, N, per_block]
 };
 
-// The compressor's operands, in flush's order (write_layer's too): kv,
-// score, ape, norm, inv_freq, the indexer's five (CSA), block_table.
-template <bool kCsa, typename Binding>
-auto BindCompressorArgs(Binding binding) {
-  auto main = std::move(binding)
-                  .template Arg<ffi::AnyBuffer>()   // kv
-                  .template Arg<ffi::AnyBuffer>()   // score
-                  .template Arg<ffi::AnyBuffer>()   // ape
-                  .template Arg<ffi::AnyBuffer>()   // norm
-                  .template Arg<ffi::AnyBuffer>();  // inv_freq
-  if constexpr (kCsa) {
-    return std::move(main)
-        .template Arg<ffi::AnyBuffer>()   // index_kv
-        .template Arg<ffi::AnyBuffer>()   // index_score
-        .template Arg<ffi::AnyBuffer>()   // index_ape
-        .template Arg<ffi::AnyBuffer>()   // index_norm
-        .template Arg<ffi::AnyBuffer>()   // index_inv_freq
-        .template Arg<ffi::AnyBuffer>();  // block_table
-  } else {
-    return std::move(main).template Arg<ffi::AnyBuffer>();  // block_table
-  }
-}
-
-template <typename Binding>
-auto BindFlushCsa(Binding binding) {
-  return BindCompressorArgs<true>(std::move(binding)
-                                      .template Attr<int64_t>("kv_format")
-                                      .template Attr<int64_t>("max_context")
-                                      .template Attr<int64_t>("max_rows_per_slot")
-                                      .template Arg<ffi::AnyBuffer>()   // layer
-                                      .template Arg<ffi::AnyBuffer>())  // meta (token rows)
-      .RemainingArgs()                 // comp, icomp, index.packed, index.scale, errors, entries
-      .template Ret<ffi::AnyBuffer>()  // comp
-      .template Ret<ffi::AnyBuffer>()  // icomp
-      .template Ret<ffi::AnyBuffer>()  // index.packed
-      .template Ret<ffi::AnyBuffer>()  // index.scale
-      .template Ret<ffi::AnyBuffer>()  // errors
-      .RemainingRets();                // entry leaves
-}
-
-template <typename Binding>
-auto BindFlushHca(Binding binding) {
-  return BindCompressorArgs<false>(std::move(binding)
-                                       .template Attr<int64_t>("kv_format")
-                                       .template Attr<int64_t>("max_context")
-                                       .template Attr<int64_t>("max_rows_per_slot")
-                                       .template Arg<ffi::AnyBuffer>()   // layer
-                                       .template Arg<ffi::AnyBuffer>())  // meta (token rows)
-      .RemainingArgs()                 // comp, errors, entries
-      .template Ret<ffi::AnyBuffer>()  // comp
-      .template Ret<ffi::AnyBuffer>()  // errors
-      .RemainingRets();                // entry leaves
-}
+// The handlers' operands (dsv4/operands.h). A compressor's inputs, in
+// flush's order (write_layer's too; `kv_name` and `score_name` name its
+// projections), then the indexer's five (CSA).
+#define DSV4_COMPRESSOR_OPERANDS(ARG, kv_name, score_name)                                  \
+  ARG(ffi::AnyBuffer, kv_name) ARG(ffi::AnyBuffer, score_name) ARG(ffi::AnyBuffer, ape)     \
+  ARG(ffi::AnyBuffer, norm) ARG(ffi::AnyBuffer, inv_freq)
+#define DSV4_INDEX_COMPRESSOR_OPERANDS(ARG)                                                 \
+  ARG(ffi::AnyBuffer, index_kv) ARG(ffi::AnyBuffer, index_score)                            \
+  ARG(ffi::AnyBuffer, index_ape) ARG(ffi::AnyBuffer, index_norm)                            \
+  ARG(ffi::AnyBuffer, index_inv_freq)
+// The attributes every write op binds (append's without max_rows_per_slot).
+#define DSV4_WRITE_ATTRS(ATTR)                                                              \
+  ATTR(int64_t, kv_format) ATTR(int64_t, max_context) ATTR(int64_t, max_rows_per_slot)
+// The aliased arguments come as one remaining group (the buffers the results
+// name, then the pool's entry leaves); the results name them.
+#define DSV4_FLUSH_CSA_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
+  DSV4_WRITE_ATTRS(ATTR) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta)              \
+  DSV4_COMPRESSOR_OPERANDS(ARG, kv, score) DSV4_INDEX_COMPRESSOR_OPERANDS(ARG)             \
+  ARG(ffi::AnyBuffer, block_table) ARGS(aliased_in) RET(ffi::AnyBuffer, csa_comp)          \
+  RET(ffi::AnyBuffer, csa_icomp) RET(ffi::AnyBuffer, csa_index_packed)                     \
+  RET(ffi::AnyBuffer, csa_index_scale) RET(ffi::AnyBuffer, errors) RETS(csa_kv)
+#define DSV4_FLUSH_HCA_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
+  DSV4_WRITE_ATTRS(ATTR) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta)              \
+  DSV4_COMPRESSOR_OPERANDS(ARG, kv, score) ARG(ffi::AnyBuffer, block_table)                \
+  ARGS(aliased_in) RET(ffi::AnyBuffer, hca_comp) RET(ffi::AnyBuffer, errors) RETS(hca_kv)
 
 // Checks one compressor's inputs ([T, coff*d] projections, ape, norm,
 // inv_freq) under the names `prefix`kv, `prefix`score, `pprefix`ape, ... and
@@ -288,35 +261,22 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
   return ffi::Error::Success();
 }
 
-// The same two, for flush's own handlers (aliased operands as remaining ones).
-inline ffi::Error ValidateFlushCsa(
-    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot, ffi::AnyBuffer layer,
-    ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
-    ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
-    ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
-    ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
-    ffi::AnyBuffer comp, ffi::AnyBuffer icomp, ffi::AnyBuffer packed, ffi::AnyBuffer iscale,
-    ffi::AnyBuffer errors, const ffi::RemainingRets& entry_rets, FlushArgs* out) {
+// The same two, for flush's own handlers.
+inline ffi::Error ValidateFlushCsa(DSV4_PARAMS(DSV4_FLUSH_CSA_OPERANDS), FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
+  DSV4_RETURN_IF_ERROR(CollectLeaves(csa_kv, &leaves));
   return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, meta, kv, score,
                           ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
-                          index_inv_freq, block_table, rest.size(), comp, icomp, packed, iscale,
-                          errors, leaves, out);
+                          index_inv_freq, block_table, aliased_in.size(), *csa_comp,
+                          *csa_icomp, *csa_index_packed, *csa_index_scale, *errors, leaves, out);
 }
 
-inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
-                                   int64_t max_rows_per_slot, ffi::AnyBuffer layer,
-                                   ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score,
-                                   ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
-                                   ffi::AnyBuffer block_table, const ffi::RemainingArgs& rest,
-                                   ffi::AnyBuffer comp, ffi::AnyBuffer errors,
-                                   const ffi::RemainingRets& entry_rets, FlushArgs* out) {
+inline ffi::Error ValidateFlushHca(DSV4_PARAMS(DSV4_FLUSH_HCA_OPERANDS), FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_rets, &leaves));
+  DSV4_RETURN_IF_ERROR(CollectLeaves(hca_kv, &leaves));
   return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, meta, kv, score,
-                          ape, norm, inv_freq, block_table, rest.size(), comp, errors, leaves,
-                          out);
+                          ape, norm, inv_freq, block_table, aliased_in.size(), *hca_comp,
+                          *errors, leaves, out);
 }
 
 }  // namespace dsv4

@@ -12,6 +12,7 @@
 #include "dsv4/ffi_checks.h"
 #include "dsv4/indexer.h"
 #include "dsv4/layout.h"
+#include "dsv4/operands.h"
 
 namespace dsv4 {
 
@@ -31,19 +32,11 @@ struct GatherWindowArgs {
   ErrorCounts errors;
 };
 
-template <typename Binding>
-auto BindGatherWindow(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // slots
-      .template Arg<ffi::AnyBuffer>()  // swa.pos
-      .template Arg<ffi::AnyBuffer>()  // errors
-      .RemainingArgs()                 // entry leaves
-      .template Ret<ffi::AnyBuffer>()  // kv
-      .template Ret<ffi::AnyBuffer>()  // pos
-      .template Ret<ffi::AnyBuffer>();  // errors
-}
+// The handlers' operands (dsv4/operands.h).
+#define DSV4_GATHER_WINDOW_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                             \
+  ATTR(int64_t, kv_format) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, slots)            \
+  ARG(ffi::AnyBuffer, swa_pos) ARG(ffi::AnyBuffer, errors_in) ARGS(swa_kv)                  \
+  RET(ffi::AnyBuffer, kv) RET(ffi::AnyBuffer, pos) RET(ffi::AnyBuffer, errors)
 
 // The operands the paged gathers (top-k, all) share: block_table s32[R, MB],
 // errors in and out, and the pool's entry leaves [L, N, per_block, ...].
@@ -65,11 +58,8 @@ inline ffi::Error BindPagedPool(const char* pool_name, int64_t kv_format, int64_
   return ffi::Error::Success();
 }
 
-inline ffi::Error ValidateGatherWindow(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffer slots,
-                                       ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors_in,
-                                       const ffi::RemainingArgs& entry_args, ffi::AnyBuffer out_kv,
-                                       ffi::AnyBuffer out_pos, ffi::AnyBuffer errors,
-                                       GatherWindowArgs* out) {
+inline ffi::Error ValidateGatherWindow(DSV4_PARAMS(DSV4_GATHER_WINDOW_OPERANDS), GatherWindowArgs* out) {
+  const ffi::AnyBuffer out_kv = *kv, out_pos = *pos;
   GatherWindowArgs a;
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
@@ -78,9 +68,9 @@ inline ffi::Error ValidateGatherWindow(int64_t kv_format, ffi::AnyBuffer layer, 
   DSV4_RETURN_IF_ERROR(CheckBuffer("swa.pos", swa_pos, ffi::DataType::S32, {-1, -1, kWindow}));
   a.L = swa_pos.dimensions()[0];
   a.R = swa_pos.dimensions()[1];
-  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, errors, &a.errors));
+  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, *errors, &a.errors));
   std::vector<ffi::AnyBuffer> leaves;
-  DSV4_RETURN_IF_ERROR(CollectLeaves(entry_args, &leaves));
+  DSV4_RETURN_IF_ERROR(CollectLeaves(swa_kv, &leaves));
   std::vector<int64_t> lead = {a.L, a.R, kWindow};
   DSV4_RETURN_IF_ERROR(BindEntryLeaves("swa.kv", kv_format, leaves, &lead, &a.pool));
   DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.B, kWindow, kHeadDim}));
@@ -112,28 +102,15 @@ struct GatherTopkArgs {
   ErrorCounts errors;
 };
 
-template <typename Binding>
-auto BindGatherTopk(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
-      .template Arg<ffi::AnyBuffer>()  // indices
-      .template Arg<ffi::AnyBuffer>()  // block_table
-      .template Arg<ffi::AnyBuffer>()  // errors
-      .RemainingArgs()                 // entry leaves
-      .template Ret<ffi::AnyBuffer>()  // kv
-      .template Ret<ffi::AnyBuffer>()  // valid
-      .template Ret<ffi::AnyBuffer>();  // errors
-}
+// The handlers' operands (dsv4/operands.h).
+#define DSV4_GATHER_TOPK_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                               \
+  ATTR(int64_t, kv_format) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, token_slot)       \
+  ARG(ffi::AnyBuffer, token_pos) ARG(ffi::AnyBuffer, indices) ARG(ffi::AnyBuffer, block_table) \
+  ARG(ffi::AnyBuffer, errors_in) ARGS(csa_kv) RET(ffi::AnyBuffer, kv)                       \
+  RET(ffi::AnyBuffer, valid) RET(ffi::AnyBuffer, errors)
 
-inline ffi::Error ValidateGatherTopk(int64_t kv_format, ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
-                                     ffi::AnyBuffer token_pos, ffi::AnyBuffer indices,
-                                     ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
-                                     const ffi::RemainingArgs& entry_args, ffi::AnyBuffer out_kv,
-                                     ffi::AnyBuffer valid, ffi::AnyBuffer errors,
-                                     GatherTopkArgs* out) {
+inline ffi::Error ValidateGatherTopk(DSV4_PARAMS(DSV4_GATHER_TOPK_OPERANDS), GatherTopkArgs* out) {
+  const ffi::AnyBuffer out_kv = *kv;
   GatherTopkArgs a;
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
@@ -144,16 +121,16 @@ inline ffi::Error ValidateGatherTopk(int64_t kv_format, ffi::AnyBuffer layer, ff
   a.K = indices.dimensions()[1];
   a.per_block = kBlockTokens / kCsaRatio;
   DSV4_RETURN_IF_ERROR(BindPagedPool("csa.kv", kv_format, a.per_block, block_table, errors_in,
-                                     errors, entry_args, &a.errors, &a.R, &a.MB, &a.L, &a.N, &a.pool));
+                                     *errors, csa_kv, &a.errors, &a.R, &a.MB, &a.L, &a.N, &a.pool));
   DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.T, a.K, kHeadDim}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("valid (result)", valid, ffi::DataType::PRED, {a.T, a.K}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("valid (result)", *valid, ffi::DataType::PRED, {a.T, a.K}));
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
   a.slot = static_cast<const int32_t*>(token_slot.untyped_data());
   a.pos = static_cast<const int32_t*>(token_pos.untyped_data());
   a.indices = static_cast<const int32_t*>(indices.untyped_data());
   a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
   a.out_kv = static_cast<uint16_t*>(out_kv.untyped_data());
-  a.valid = static_cast<bool*>(valid.untyped_data());
+  a.valid = static_cast<bool*>(valid->untyped_data());
   *out = a;
   return ffi::Error::Success();
 }
@@ -175,27 +152,15 @@ struct GatherAllArgs {
   ErrorCounts errors;
 };
 
-template <typename Binding>
-auto BindGatherAll(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("kv_format")
-      .template Attr<int64_t>("max_context")
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // slots
-      .template Arg<ffi::AnyBuffer>()  // lengths
-      .template Arg<ffi::AnyBuffer>()  // block_table
-      .template Arg<ffi::AnyBuffer>()  // errors
-      .RemainingArgs()                 // entry leaves
-      .template Ret<ffi::AnyBuffer>()  // kv
-      .template Ret<ffi::AnyBuffer>()  // count
-      .template Ret<ffi::AnyBuffer>();  // errors
-}
+// The handlers' operands (dsv4/operands.h).
+#define DSV4_GATHER_ALL_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                \
+  ATTR(int64_t, kv_format) ATTR(int64_t, max_context) ARG(ffi::AnyBuffer, layer)            \
+  ARG(ffi::AnyBuffer, slots) ARG(ffi::AnyBuffer, lengths) ARG(ffi::AnyBuffer, block_table)  \
+  ARG(ffi::AnyBuffer, errors_in) ARGS(hca_kv) RET(ffi::AnyBuffer, kv)                       \
+  RET(ffi::AnyBuffer, count) RET(ffi::AnyBuffer, errors)
 
-inline ffi::Error ValidateGatherAll(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
-                                    ffi::AnyBuffer slots, ffi::AnyBuffer lengths,
-                                    ffi::AnyBuffer block_table, ffi::AnyBuffer errors_in,
-                                    const ffi::RemainingArgs& entry_args, ffi::AnyBuffer out_kv,
-                                    ffi::AnyBuffer count, ffi::AnyBuffer errors, GatherAllArgs* out) {
+inline ffi::Error ValidateGatherAll(DSV4_PARAMS(DSV4_GATHER_ALL_OPERANDS), GatherAllArgs* out) {
+  const ffi::AnyBuffer out_kv = *kv;
   GatherAllArgs a;
   DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
   DSV4_RETURN_IF_ERROR(CheckMaxContext(max_context));
@@ -204,18 +169,18 @@ inline ffi::Error ValidateGatherAll(int64_t kv_format, int64_t max_context, ffi:
   a.B = slots.dimensions()[0];
   DSV4_RETURN_IF_ERROR(CheckBuffer("lengths", lengths, ffi::DataType::S32, {a.B}));
   DSV4_RETURN_IF_ERROR(BindPagedPool("hca.kv", kv_format, kBlockTokens / kHcaRatio, block_table,
-                                     errors_in, errors, entry_args, &a.errors, &a.R, &a.MB, &a.L, &a.N,
+                                     errors_in, *errors, hca_kv, &a.errors, &a.R, &a.MB, &a.L, &a.N,
                                      &a.pool));
   DSV4_RETURN_IF_ERROR(CheckBuffer("kv (result)", out_kv, ffi::DataType::BF16, {a.B, -1, kHeadDim}));
   a.E = out_kv.dimensions()[1];
-  DSV4_RETURN_IF_ERROR(CheckBuffer("count (result)", count, ffi::DataType::S32, {a.B}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("count (result)", *count, ffi::DataType::S32, {a.B}));
   a.max_context = max_context;
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
   a.slots = static_cast<const int32_t*>(slots.untyped_data());
   a.lengths = static_cast<const int32_t*>(lengths.untyped_data());
   a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
   a.out_kv = static_cast<uint16_t*>(out_kv.untyped_data());
-  a.count = static_cast<int32_t*>(count.untyped_data());
+  a.count = static_cast<int32_t*>(count->untyped_data());
   *out = a;
   return ffi::Error::Success();
 }

@@ -20,6 +20,7 @@
 #include "dsv4/ffi_checks.h"
 #include "dsv4/indexer.h"
 #include "dsv4/layout.h"
+#include "dsv4/operands.h"
 
 namespace dsv4 {
 
@@ -40,32 +41,16 @@ struct IndexerTopkArgs {
   ErrorCounts errors;
 };
 
-template <typename Binding>
-auto BindIndexerTopk(Binding binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()  // layer
-      .template Arg<ffi::AnyBuffer>()  // token_slot
-      .template Arg<ffi::AnyBuffer>()  // token_pos
-      .template Arg<ffi::AnyBuffer>()  // q
-      .template Arg<ffi::AnyBuffer>()  // weights
-      .template Arg<ffi::AnyBuffer>()  // block_table
-      .template Arg<ffi::AnyBuffer>()  // errors
-      .template Arg<ffi::AnyBuffer>()  // index.packed
-      .template Arg<ffi::AnyBuffer>()  // index.scale
-      .template Ret<ffi::AnyBuffer>()  // indices
-      .template Ret<ffi::AnyBuffer>()  // scratch
-      .template Ret<ffi::AnyBuffer>()  // qscratch
-      .template Ret<ffi::AnyBuffer>()  // errors
-      .template Attr<int64_t>("q_format");
-}
+// The handlers' operands (dsv4/operands.h).
+#define DSV4_INDEXER_TOPK_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                              \
+  ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, token_slot) ARG(ffi::AnyBuffer, token_pos) \
+  ARG(ffi::AnyBuffer, q) ARG(ffi::AnyBuffer, weights) ARG(ffi::AnyBuffer, block_table)      \
+  ARG(ffi::AnyBuffer, errors_in) ARG(ffi::AnyBuffer, csa_index_packed)                      \
+  ARG(ffi::AnyBuffer, csa_index_scale) RET(ffi::AnyBuffer, indices)                         \
+  RET(ffi::AnyBuffer, scratch) RET(ffi::AnyBuffer, qscratch) RET(ffi::AnyBuffer, errors)    \
+  ATTR(int64_t, q_format)
 
-inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token_slot,
-                                      ffi::AnyBuffer token_pos, ffi::AnyBuffer q,
-                                      ffi::AnyBuffer weights, ffi::AnyBuffer block_table,
-                                      ffi::AnyBuffer errors_in, ffi::AnyBuffer packed,
-                                      ffi::AnyBuffer scale, ffi::AnyBuffer indices,
-                                      ffi::AnyBuffer scratch, ffi::AnyBuffer qscratch,
-                                      ffi::AnyBuffer errors, int64_t q_format,
+inline ffi::Error ValidateIndexerTopk(DSV4_PARAMS(DSV4_INDEXER_TOPK_OPERANDS),
                                       IndexerTopkArgs* out) {
   IndexerTopkArgs a;
   if (q_format != kQueryBf16 && q_format != kQueryMxfp4)
@@ -84,18 +69,18 @@ inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token
   a.R = block_table.dimensions()[0];
   a.MB = block_table.dimensions()[1];
   a.E = a.MB * (kBlockTokens / kCsaRatio);
-  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, errors, &a.errors));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.packed", packed, ffi::DataType::U8,
+  DSV4_RETURN_IF_ERROR(BindErrors(errors_in, *errors, &a.errors));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.packed", csa_index_packed, ffi::DataType::U8,
                                    {-1, -1, kBlockTokens / kCsaRatio, kIndexPacked}));
-  a.L = packed.dimensions()[0];
-  a.N = packed.dimensions()[1];
-  DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.scale", scale, ffi::DataType::F8E8M0FNU,
+  a.L = csa_index_packed.dimensions()[0];
+  a.N = csa_index_packed.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("csa.index.scale", csa_index_scale, ffi::DataType::F8E8M0FNU,
                                    {a.L, a.N, kBlockTokens / kCsaRatio, kIndexScales}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("indices (result)", indices, ffi::DataType::S32, {a.T, -1}));
-  a.K = indices.dimensions()[1];
+  DSV4_RETURN_IF_ERROR(CheckBuffer("indices (result)", *indices, ffi::DataType::S32, {a.T, -1}));
+  a.K = indices->dimensions()[1];
   if (a.K < 1) return ffi::Error::InvalidArgument("indices (result): k must be at least 1");
-  DSV4_RETURN_IF_ERROR(CheckBuffer("scratch (result)", scratch, ffi::DataType::U32, {a.T, a.E}));
-  DSV4_RETURN_IF_ERROR(CheckBuffer("qscratch (result)", qscratch, ffi::DataType::U8,
+  DSV4_RETURN_IF_ERROR(CheckBuffer("scratch (result)", *scratch, ffi::DataType::U32, {a.T, a.E}));
+  DSV4_RETURN_IF_ERROR(CheckBuffer("qscratch (result)", *qscratch, ffi::DataType::U8,
                                    {a.T, q_format == kQueryMxfp4 ? kQueryScratchBytes : 0}));
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
   a.slot = static_cast<const int32_t*>(token_slot.untyped_data());
@@ -103,11 +88,11 @@ inline ffi::Error ValidateIndexerTopk(ffi::AnyBuffer layer, ffi::AnyBuffer token
   a.q = static_cast<const uint16_t*>(q.untyped_data());
   a.weights = static_cast<const float*>(weights.untyped_data());
   a.block_table = static_cast<const int32_t*>(block_table.untyped_data());
-  a.packed = static_cast<const uint8_t*>(packed.untyped_data());
-  a.scale = static_cast<const uint8_t*>(scale.untyped_data());
-  a.indices = static_cast<int32_t*>(indices.untyped_data());
-  a.scratch = static_cast<uint32_t*>(scratch.untyped_data());
-  a.qscratch = static_cast<uint8_t*>(qscratch.untyped_data());
+  a.packed = static_cast<const uint8_t*>(csa_index_packed.untyped_data());
+  a.scale = static_cast<const uint8_t*>(csa_index_scale.untyped_data());
+  a.indices = static_cast<int32_t*>(indices->untyped_data());
+  a.scratch = static_cast<uint32_t*>(scratch->untyped_data());
+  a.qscratch = static_cast<uint8_t*>(qscratch->untyped_data());
   *out = a;
   return ffi::Error::Success();
 }

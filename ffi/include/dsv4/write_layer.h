@@ -28,19 +28,18 @@ struct WriteLayerArgs {
   FlushArgs flush;
 };
 
-template <bool kCsa, typename Binding>
-auto BindWriteLayer(Binding binding) {
-  return BindCompressorArgs<kCsa>(std::move(binding)
-                                      .template Attr<int64_t>("kv_format")
-                                      .template Attr<int64_t>("max_context")
-                                      .template Attr<int64_t>("max_rows_per_slot")
-                                      .template Arg<ffi::AnyBuffer>()   // window_layer
-                                      .template Arg<ffi::AnyBuffer>()   // layer
-                                      .template Arg<ffi::AnyBuffer>()   // meta (token rows)
-                                      .template Arg<ffi::AnyBuffer>())  // kv (the window's)
-      .RemainingArgs()   // the aliased buffers
-      .RemainingRets();  // the same, updated
-}
+// The handlers' operands (dsv4/operands.h): append's and flush's, the
+// aliased buffers as one remaining group.
+#define DSV4_WRITE_LAYER_CSA_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                           \
+  DSV4_WRITE_ATTRS(ATTR) ARG(ffi::AnyBuffer, window_layer) ARG(ffi::AnyBuffer, layer)      \
+  ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv)                                         \
+  DSV4_COMPRESSOR_OPERANDS(ARG, comp_kv, comp_score) DSV4_INDEX_COMPRESSOR_OPERANDS(ARG)   \
+  ARG(ffi::AnyBuffer, block_table) ARGS(aliased_in) RETS(aliased)
+#define DSV4_WRITE_LAYER_HCA_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                           \
+  DSV4_WRITE_ATTRS(ATTR) ARG(ffi::AnyBuffer, window_layer) ARG(ffi::AnyBuffer, layer)      \
+  ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv)                                         \
+  DSV4_COMPRESSOR_OPERANDS(ARG, comp_kv, comp_score) ARG(ffi::AnyBuffer, block_table)      \
+  ARGS(aliased_in) RETS(aliased)
 
 // flush's aliased results in a write_layer call: its fixed buffers (errors
 // the last) and its pool's entry leaves.
@@ -90,17 +89,11 @@ inline ffi::Error CheckSameRows(const WriteLayerArgs& a) {
                                      " rows (as kv), got " + std::to_string(a.flush.T));
 }
 
-inline ffi::Error ValidateWriteLayerCsa(
-    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
-    ffi::AnyBuffer window_layer, ffi::AnyBuffer layer, ffi::AnyBuffer meta, ffi::AnyBuffer kv,
-    ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
-    ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv, ffi::AnyBuffer index_score,
-    ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm, ffi::AnyBuffer index_inv_freq,
-    ffi::AnyBuffer block_table, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-    WriteLayerArgs* out) {
+inline ffi::Error ValidateWriteLayerCsa(DSV4_PARAMS(DSV4_WRITE_LAYER_CSA_OPERANDS),
+                                        WriteLayerArgs* out) {
   FlushAliased fa;  // comp, icomp, index.packed, index.scale, errors
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_csa", kv_format, max_context,
-                                                window_layer, meta, kv, 5, args, rets, out,
+                                                window_layer, meta, kv, 5, aliased_in, aliased, out,
                                                 &fa));
   DSV4_RETURN_IF_ERROR(ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, meta,
                                         comp_kv, comp_score, ape, norm, inv_freq, index_kv,
@@ -111,15 +104,11 @@ inline ffi::Error ValidateWriteLayerCsa(
   return CheckSameRows(*out);
 }
 
-inline ffi::Error ValidateWriteLayerHca(
-    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot,
-    ffi::AnyBuffer window_layer, ffi::AnyBuffer layer, ffi::AnyBuffer meta, ffi::AnyBuffer kv,
-    ffi::AnyBuffer comp_kv, ffi::AnyBuffer comp_score, ffi::AnyBuffer ape, ffi::AnyBuffer norm,
-    ffi::AnyBuffer inv_freq, ffi::AnyBuffer block_table, const ffi::RemainingArgs& args,
-    const ffi::RemainingRets& rets, WriteLayerArgs* out) {
+inline ffi::Error ValidateWriteLayerHca(DSV4_PARAMS(DSV4_WRITE_LAYER_HCA_OPERANDS),
+                                        WriteLayerArgs* out) {
   FlushAliased fa;  // comp, errors
   DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_hca", kv_format, max_context,
-                                                window_layer, meta, kv, 2, args, rets, out,
+                                                window_layer, meta, kv, 2, aliased_in, aliased, out,
                                                 &fa));
   DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, meta,
                                         comp_kv, comp_score, ape, norm, inv_freq, block_table,
