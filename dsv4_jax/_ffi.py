@@ -22,6 +22,7 @@ TESTING_BUILD = "pip install with -C cmake.define.DSV4_BUILD_TESTING=ON"
 _registered: dict[str, set[str]] = {}   # platform ("cpu" | "cuda") -> target names
 _testing: dict[str, object] = {}        # platform -> its loaded testing module
 _load_errors: dict[str, str] = {}
+_operands: dict[str, list] = {}         # target -> [(role, name)], as its handlers bind them
 
 
 def _register(module, platform: str) -> set[str]:
@@ -41,17 +42,31 @@ def _register_all() -> None:
             _load_errors[key] = str(e)
             continue
         _registered[key] = _register(module, platform)
+        if hasattr(module, "operands"):
+            _operands.update(module.operands())
         try:
             testing = importlib.import_module(f"dsv4_jax.{testing_name}")
         except ImportError:        # the default build has no test-only targets
             continue
         _registered[key] |= _register(testing, platform)
+        if hasattr(testing, "operands"):
+            _operands.update(testing.operands())
         _testing[key] = testing
 
 
 def has_target(platform: str, name: str) -> bool:
     """Whether FFI target `name` was registered for `platform` ("cpu"/"cuda")."""
     return name in _registered.get(platform.lower(), ())
+
+
+def operands(target: str) -> list[tuple[str, str]]:
+    """FFI target `target`'s operands as its handlers bind them: (role, name)
+    in order, role "attr", "arg", "args" (the remaining arguments), "ret" or
+    "rets" (the remaining results); ffi/include/dsv4/operands.h."""
+    if target not in _operands:
+        raise KeyError(f"{target}: no operand list (the CPU module is not loaded: "
+                       f"{module_status().get('cpu', 'not built')})")
+    return [tuple(o) for o in _operands[target]]
 
 
 def testing_module(platform: str):

@@ -170,7 +170,7 @@ def attention(state: CacheState, layer, q: jax.Array, token_slot: jax.Array,
              jax.ShapeDtypeStruct((T, H), jnp.float32),
              jax.ShapeDtypeStruct(state.errors.shape, _I32),
              jax.ShapeDtypeStruct((scratch,), jnp.uint8)],
-            errors_alias(11, 2, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
+            errors_alias(target, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
             kind=KIND_CODE[kind], kernel=KERNELS[kernel])
     if not return_state:
         return out, lse

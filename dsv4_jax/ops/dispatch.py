@@ -113,18 +113,37 @@ def _one_call_per_element(fn, axis_size, in_batched, *args):
     return tuple(outs), tuple([True] * len(outs))
 
 
-def errors_alias(arg_index: int, result_index: int, return_state: bool) -> dict:
-    """A read op's aliasing of its `errors` argument into its errors result:
-    only when the op returns the state. Aliasing a buffer the caller still
-    holds (the state it did not take back) makes XLA copy it before the call."""
-    return {arg_index: result_index} if return_state else {}
+def operand_index(target: str, role: str, name: str) -> int:
+    """The position of `target`'s operand `name` among its arguments (role
+    "arg") or results ("ret"), from the list its handlers bind."""
+    kinds = {"arg": ("arg", "args"), "ret": ("ret", "rets")}[role]
+    names = [n for r, n in _ffi.operands(target) if r in kinds]
+    if name not in names:
+        raise KeyError(f"{target}: no {role} named {name!r} (its {role}s: {names})")
+    return names.index(name)
+
+
+def errors_alias(target: str, return_state: bool) -> dict:
+    """A read op's aliasing of its `errors_in` argument into its `errors`
+    result: only when the op returns the state. Aliasing a buffer the caller
+    still holds (the state it did not take back) makes XLA copy it before the
+    call."""
+    if not return_state:
+        return {}
+    return {operand_index(target, "arg", "errors_in"): operand_index(target, "ret", "errors")}
 
 
 def ffi_in_place(target: str, inputs: Sequence, aliased: Sequence, **attrs) -> list:
     """Call FFI `target` on `inputs` (read only) followed by `aliased` (updated
     in place), returning the new values of `aliased`. Buffers keep their native
-    shapes: a reshape around the call would force a copy."""
+    shapes: a reshape around the call would force a copy. The aliased operands
+    start at the target's first argument named `*_in`."""
     n = len(inputs)
+    args = [name for role, name in _ffi.operands(target) if role in ("arg", "args")]
+    first = next(i for i, name in enumerate(args) if name.endswith("_in"))
+    if n != first:
+        raise ValueError(f"{target}: {n} read-only inputs, but its aliased operands start "
+                         f"at argument {first} ({args[first]})")
     out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased]
     return ffi_call(target, [*inputs, *aliased], out_types,
                     {n + i: i for i in range(len(aliased))}, **attrs)

@@ -108,7 +108,7 @@ def gather_window(state: CacheState, layer, slots: jax.Array, *, impl: str = "au
             [jax.ShapeDtypeStruct((B, C.WINDOW, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((B, C.WINDOW), _I32),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            errors_alias(3, 2, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
+            errors_alias(target, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
     return _finish(state, (kv, pos), errors, return_state)
 
 
@@ -157,7 +157,7 @@ def gather_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.
             [jax.ShapeDtypeStruct((T, k, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((T, k), jnp.bool_),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            errors_alias(5, 2, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
+            errors_alias(target, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format])
     return _finish(state, (kv, valid), errors, return_state)
 
 
@@ -201,5 +201,5 @@ def gather_all(state: CacheState, layer, slots: jax.Array, lengths: jax.Array,
             [jax.ShapeDtypeStruct((B, max_entries, C.HEAD_DIM), jnp.bfloat16),
              jax.ShapeDtypeStruct((B,), _I32),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            errors_alias(4, 2, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
+            errors_alias(target, return_state), kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
     return _finish(state, (kv, count), errors, return_state)

@@ -171,7 +171,7 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
              jax.ShapeDtypeStruct((T, E), jnp.uint32),
              jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            errors_alias(6, 3, return_state), q_format=Q_FORMATS[q_format])
+            errors_alias(target, return_state), q_format=Q_FORMATS[q_format])
     if not return_state:
         return indices
     return indices, dataclasses.replace(state, errors=errors)

@@ -1,5 +1,7 @@
 // nanobind module _dsv4_cpu: hands the CPU FFI handlers to Python as capsules.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
 
 #include "cpu/handlers_cpu.h"
 #include "dsv4/append.h"
@@ -21,11 +23,6 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-nb::list OperandList(const std::vector<std::pair<const char*, const char*>>& operands) {
-  nb::list out;
-  for (const auto& [role, name] : operands) out.append(nb::make_tuple(role, name));
-  return out;
-}
 }  // namespace
 
 NB_MODULE(_dsv4_cpu, m) {
@@ -41,7 +38,7 @@ NB_MODULE(_dsv4_cpu, m) {
   m.def("operands", []() {
     nb::dict targets;
 #define DSV4_OP(op, target, cpu, cuda, operands) \
-  targets[#target] = OperandList(DSV4_OPERAND_LIST(operands));
+  targets[#target] = nb::cast(DSV4_OPERAND_LIST(operands));
 #include "dsv4/ops.def"
 #undef DSV4_OP
     return targets;
