@@ -4,6 +4,19 @@ Resets the slots of newly admitted requests (block-table row, window
 positions, compressor accumulators) and writes the step's new block-table
 entries; every block handed out is scrubbed so its new owner can never read
 what the previous owner wrote (docs/design/host.md).
+
+FFI target "dsv4_apply_step" (the same operands on CPU and CUDA):
+  attrs  num_blocks (N, the pools' blocks)
+  args   new_blocks i32[NB, 3] (slot, logical, physical; slot -1 = padding),
+         reset_slots i32[NR] (-1 = padding),
+         then the aliased: block_table i32[R, MB], swa.pos i32[L, R, 128],
+         csa.comp f32[Lc, R, 2, 3, 512], csa.icomp f32[Lc, R, 2, 3, 128],
+         hca.comp f32[Lh, R, 1, 3, 512], errors i32[9] (54 with detail),
+         pools (the pool leaves to scrub: csa.kv's, csa.index's, hca.kv's; any
+         dtype, dims [layers, N, ...]; at most 8)
+  rets   the aliased buffers, same order.
+Resets first, in order, then the new-block rows in order: a later row for
+the same (slot, logical block) wins. Bad rows are dropped and counted.
 """
 from __future__ import annotations
 

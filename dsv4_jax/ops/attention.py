@@ -18,8 +18,8 @@ FFI target "dsv4_attention" (the same operands on CPU and CUDA):
          token_slot i32[T], token_pos i32[T], topk i32[T, k] (k = 0 unless
          CSA), chunk_kv bf16[T or 0, 512] (0 rows: decode), sink f32[H],
          inv_freq f32[32 or 0] (0: no inverse RoPE), block_table i32[R, MB],
-         swa.pos i32[L, R, 128], errors i32[9] (54 with detail), swa.kv entries, then the
-         kind's pool entries (csa.kv or hca.kv; none for SWA)
+         swa.pos i32[L, R, 128], errors i32[9] (54 with detail), entries (the
+         swa.kv leaves, then the kind's pool leaves: csa.kv or hca.kv, none for SWA)
   rets   out bf16[T, H, 512], lse f32[T, H], errors (aliased to the errors
          argument when the state is returned), scratch u8[T * 2064 or 0]
          (discarded: in a prefill chunk the CUDA kernels encode the chunk's

@@ -16,18 +16,19 @@ FFI targets (operands in this order):
 "dsv4_take_rows"
   attrs  row_axes i64[K], id_starts i64[K]
   args   ids i32[M], leaves (K, any dtypes)
-  rets   K flat leaves: row j of flat leaf k holds row ids[start_k + j] of
-         leaf k, zero bytes where that id is outside the row axis
+  rets   results (K flat leaves: row j of flat leaf k holds row ids[start_k + j]
+         of leaf k, zero bytes where that id is outside the row axis)
 "dsv4_put_rows"
   attrs  row_axes i64[K], id_starts i64[K]
-  args   ids i32[M], leaves (K), flat leaves (K, shaped as take's results)
-  rets   the K leaves, aliased to the leaf arguments (in place): row
+  args   ids i32[M], leaves (2K: the K leaves, then K flat leaves shaped as
+         take's results)
+  rets   results (the K leaves, aliased to the leaf arguments, in place: row
          ids[start_k + j] of leaf k set to row j of flat leaf k; ids outside
-         the axis are skipped (a padding -1, or a bad id: nothing outside the
-         leaf is ever written). Ids of a span must be distinct (else which
-         row lands is not specified).
-At most 24 leaves a call. The handlers check every shape and span; the CUDA
-kernel is one launch for all leaves.
+         the axis are skipped: a padding -1, or a bad id, nothing outside the
+         leaf is ever written)
+Ids of one span must be distinct for put_rows (else which row lands is not
+specified). At most 24 leaves a call. The handlers check every shape and
+span; the CUDA kernel is one launch for all leaves.
 """
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ docs/design/formats.md, docs/design/state.md, docs/design/operations.md).
 
 FFI targets (operands in this order):
 "dsv4_flush_csa"
-  attrs  kv_format, max_context
+  attrs  kv_format, max_context, max_rows_per_slot (StepMeta.max_rows_per_slot:
+         the rows any one slot has in the call at most, 0 = no bound; a hint
+         for the kernel's choice, never a reason for another result)
   args   layer i32[] (CSA index, -1 = bad), meta i32[P >= 2T] (meta.token_fields:
          token_slot, then token_pos, then what the handler ignores),
          kv f32[T, 1024], score f32[T, 1024], ape f32[4, 1024], norm f32[512],
@@ -17,7 +19,7 @@ FFI targets (operands in this order):
          errors i32[9] (54 with detail), csa.kv.nope, csa.kv.rope[, csa.kv.scale]
   rets   the aliased buffers, same order.
 "dsv4_flush_hca"
-  attrs  kv_format, max_context
+  attrs  kv_format, max_context, max_rows_per_slot
   args   layer i32[] (HCA index), meta, kv f32[T, 512],
          score f32[T, 512], ape f32[128, 512], norm f32[512], inv_freq f32[32],
          block_table i32[R, MB],

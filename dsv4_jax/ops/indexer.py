@@ -78,10 +78,10 @@ FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
         errors i32[9] (54 with detail), csa.index.packed u8[Lc, N, 32, 64],
         csa.index.scale e8m0[Lc, N, 32, 4]
   rets  indices i32[T, k], scratch u32[T, MB * 32] (per-entry rank keys; the
-        handlers' working memory, discarded), qscratch u8[T, 17664] for
-        q_format 1, else u8[T, 0] (the CPU handler's rounded query;
-        unused on CUDA, where each CTA rounds q into shared memory;
-        discarded), errors (aliased when the state is returned)
+        handlers' working memory, discarded), qscratch u8[T, 17664] (for
+        q_format 1, else u8[T, 0]: the CPU handler's rounded query; unused
+        on CUDA, where each CTA rounds q into shared memory; discarded),
+        errors (aliased when the state is returned)
   attrs q_format 0 ("bf16") or 1 ("mxfp4")
 """
 from __future__ import annotations

@@ -14,7 +14,9 @@ operands).
 
 FFI targets (operands in this order):
 "dsv4_write_layer_csa"
-  attrs  kv_format, max_context
+  attrs  kv_format, max_context, max_rows_per_slot (StepMeta.max_rows_per_slot:
+         the rows any one slot has in the call at most, 0 = no bound; a hint
+         for the kernel's choice, never a reason for another result)
   args   window_layer i32[] (global index, -1 = bad), layer i32[] (CSA index, -1 = bad),
          meta i32[P >= 2T] (meta.token_fields: token_slot, then token_pos, then what
          the handler ignores), kv bf16[T, 512],
@@ -27,7 +29,7 @@ FFI targets (operands in this order):
          csa.kv.nope, csa.kv.rope[, csa.kv.scale]
   rets   the aliased buffers, same order.
 "dsv4_write_layer_hca"
-  attrs  kv_format, max_context
+  attrs  kv_format, max_context, max_rows_per_slot
   args   window_layer i32[], layer i32[] (HCA index), meta, kv bf16[T, 512],
          comp_kv f32[T, 512], comp_score f32[T, 512], ape f32[128, 512], norm f32[512],
          inv_freq f32[32], block_table i32[R, MB],
