@@ -1,10 +1,6 @@
 // append: the step's tokens into the sliding window of one layer.
-// Operands and per-token rules: dsv4_jax/ops/append.py (target "dsv4_append").
-//   attrs kv_format, max_context
-//   args  layer s32[], meta s32[>= 2T] (token_slot, then token_pos: the step's
-//         packed metadata whole), kv bf16[T,512],
-//         swa.pos s32[L,R,128], errors s32[9] (54 with detail), entry leaves [L,R,128,...]
-//   rets  swa.pos, errors, entry leaves (aliased, same order)
+// Operands: DSV4_APPEND_OPERANDS below (dsv4/operands.h); what each holds and
+// the per-token rules: dsv4_jax/ops/append.py (target "dsv4_append").
 #pragma once
 
 #include <cstdint>

@@ -1,16 +1,8 @@
 // apply_step: start of a step. Resets the slots of newly admitted requests and
 // writes new block-table entries; blocks handed out are scrubbed to blank so a
 // block's next owner never reads the previous owner's entries.
-//
-// Operands (one FFI binding for CPU and CUDA):
-//   args: new_blocks s32[NB,3] (slot, logical, physical; slot -1 = padding),
-//         reset_slots s32[NR] (-1 = padding), then the aliased state leaves
-//         block_table s32[R,MB], swa_pos s32[L,R,128], csa_comp f32[Lc,R,2,3,512],
-//         csa_icomp f32[Lc,R,2,3,128], hca_comp f32[Lh,R,1,3,512], errors s32[9] (54 with detail),
-//         and the pools to scrub (any dtype, dims [L?, N, ...]).
-//   rets: the aliased leaves again, in the same order.
-// Semantics: resets first (in order), then new-block rows in order, so a later
-// row for the same (slot, logical) wins. Bad rows are dropped and counted.
+// Operands: DSV4_APPLY_STEP_OPERANDS below (dsv4/operands.h); what each holds
+// and the rules: dsv4_jax/ops/apply_step.py (target "dsv4_apply_step").
 #pragma once
 
 #include <cstdint>

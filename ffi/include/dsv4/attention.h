@@ -1,17 +1,7 @@
 // dsv4_attention: operands, binding and validation shared by the CPU and CUDA
-// handlers. Rules: docs/design.md §6 (`attention`), dsv4_jax/ops/attention.py.
-//   attrs kv_format, kind (0 SWA, 1 CSA, 2 HCA), kernel (CUDA: 0 auto, 1
-//         mma.sync; attention_rules.h AttnKernel)
-//   args  layer s32[] (global), comp_layer s32[] (kind index; SWA: ignored),
-//         q bf16[T,H,512], token_slot s32[T], token_pos s32[T], topk s32[T,k]
-//         (k = 0 unless CSA), chunk_kv bf16[T or 0,512], sink f32[H],
-//         inv_freq f32[32 or 0], block_table s32[R,MB], swa.pos s32[L,R,128],
-//         errors s32[9] (54 with detail), swa.kv entries [L,R,128,...], then the kind's pool
-//         entries [Lk,N,32 or 1,...] (none for SWA)
-//   rets  out bf16[T,H,512], lse f32[T,H], errors (aliased when the state is
-//         returned), scratch u8[T * 2064 or 0] (the CUDA kernels' prefill
-//         chunk rows encoded once as append stores them, then decoded to
-//         bf16; 0 bytes in decode and on the CPU, which ignores it)
+// handlers. Operands: DSV4_ATTENTION_OPERANDS below (dsv4/operands.h); what
+// each holds and the rules: dsv4_jax/ops/attention.py, docs/design.md §6
+// (`attention`); the kernel attribute's values: attention_rules.h AttnKernel.
 #pragma once
 
 #include <cstdint>

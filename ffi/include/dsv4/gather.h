@@ -1,7 +1,8 @@
-// The three gathers: window, top-k (CSA) and all (HCA). Operands and per-row
-// rules: dsv4_jax/ops/gather.py. Each reads entry leaves (RemainingArgs, after
-// `errors`) and writes dense bf16 rows; `errors` (an argument) is aliased into
-// the last result.
+// The three gathers: window, top-k (CSA) and all (HCA). Operands:
+// DSV4_GATHER_<WINDOW|TOPK|ALL>_OPERANDS below (dsv4/operands.h); what each
+// holds and the per-row rules: dsv4_jax/ops/gather.py. Each reads entry leaves
+// (the remaining arguments, after `errors_in`) and writes dense bf16 rows;
+// `errors_in` is aliased into the last result when the state is returned.
 #pragma once
 
 #include <cstdint>
@@ -17,10 +18,6 @@
 namespace dsv4 {
 
 // ---- dsv4_gather_window ---------------------------------------------------------
-//   attrs kv_format
-//   args  layer s32[], slots s32[B], swa.pos s32[L,R,128], errors s32[9] (54 with detail),
-//         entries [L,R,128,...]
-//   rets  kv bf16[B,128,512], pos s32[B,128], errors
 struct GatherWindowArgs {
   int64_t B = 0, L = 0, R = 0;
   const int32_t* layer = nullptr;
@@ -85,10 +82,6 @@ inline ffi::Error ValidateGatherWindow(DSV4_PARAMS(DSV4_GATHER_WINDOW_OPERANDS),
 }
 
 // ---- dsv4_gather_topk -------------------------------------------------------------
-//   attrs kv_format
-//   args  layer s32[] (CSA index), token_slot s32[T], token_pos s32[T], indices s32[T,k],
-//         block_table s32[R,MB], errors s32[9] (54 with detail), entries [Lc,N,32,...]
-//   rets  kv bf16[T,k,512], valid bool[T,k], errors
 struct GatherTopkArgs {
   int64_t T = 0, K = 0, R = 0, MB = 0, L = 0, N = 0, per_block = 0;
   const int32_t* layer = nullptr;
@@ -136,10 +129,6 @@ inline ffi::Error ValidateGatherTopk(DSV4_PARAMS(DSV4_GATHER_TOPK_OPERANDS), Gat
 }
 
 // ---- dsv4_gather_all ------------------------------------------------------------------
-//   attrs kv_format, max_context
-//   args  layer s32[] (HCA index), slots s32[B], lengths s32[B], block_table s32[R,MB],
-//         errors s32[9] (54 with detail), entries [Lh,N,1,...]
-//   rets  kv bf16[B,E,512], count s32[B], errors
 struct GatherAllArgs {
   int64_t B = 0, E = 0, R = 0, MB = 0, L = 0, N = 0, max_context = 0;
   const int32_t* layer = nullptr;

@@ -1,15 +1,7 @@
 // dsv4_indexer_topk: operands, binding and validation shared by the CPU and
-// CUDA handlers. Rules and arithmetic: dsv4_jax/ops/indexer.py and
+// CUDA handlers. Operands: DSV4_INDEXER_TOPK_OPERANDS below (dsv4/operands.h);
+// what each holds, the rules and the arithmetic: dsv4_jax/ops/indexer.py and
 // dsv4/indexer.h.
-//   args  layer s32[] (CSA index, -1 = bad), token_slot s32[T], token_pos s32[T],
-//         q bf16[T,64,128], weights f32[T,64], block_table s32[R,MB],
-//         errors s32[9] (54 with detail),
-//         index.packed u8[Lc,N,32,64], index.scale e8m0[Lc,N,32,4]
-//   rets  indices s32[T,k], scratch u32[T,MB*32] (rank keys; working memory),
-//         qscratch u8[T,Q] (the MXFP4 query: Q = kQueryScratchBytes for
-//         q_format 1, else 0; the CPU handler's working memory, unused on
-//         CUDA), errors (aliased)
-//   attrs q_format (0 = bf16 query, 1 = query rounded to MXFP4)
 #pragma once
 
 #include <cstdint>

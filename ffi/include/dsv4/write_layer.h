@@ -1,17 +1,10 @@
 // write_layer: append and flush of one CSA or HCA layer in one FFI call.
-// Operands and rules: dsv4_jax/ops/write_layer.py ("dsv4_write_layer_csa",
-// "dsv4_write_layer_hca"). The operands are append's followed by flush's,
-// each checked by that op's own validation, so a bad operand is reported as
-// append or flush reports it (projections named comp_kv / comp_score here).
-//   attrs kv_format, max_context
-//   args  window_layer s32[], layer s32[], meta s32[>= 2T] (token_slot, then
-//         token_pos: the step's packed metadata whole), kv bf16[T,512],
-//         comp_kv, comp_score, ape, norm, inv_freq,
-//         [CSA: index_kv, index_score, index_ape, index_norm, index_inv_freq,]
-//         block_table s32[R,MB],
-//         then the aliased: swa.pos, swa.kv leaves, comp, [CSA: icomp,
-//         index.packed, index.scale,] errors, pool entry leaves
-//   rets  the aliased buffers, same order
+// Operands: DSV4_WRITE_LAYER_CSA_OPERANDS / _HCA_ below (dsv4/operands.h);
+// what each holds and the rules: dsv4_jax/ops/write_layer.py
+// ("dsv4_write_layer_csa", "dsv4_write_layer_hca"). The operands are
+// append's followed by flush's, each checked by that op's own validation, so
+// a bad operand is reported as append or flush reports it (projections named
+// comp_kv / comp_score here).
 #pragma once
 
 #include <string>
