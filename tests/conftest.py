@@ -2,10 +2,13 @@
 and the fixtures that test files in several folders use."""
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import os
+import shutil
 import sys
+import tempfile
 
 # test files import their helpers as `support.<module>` (tests/support/)
 sys.path.insert(0, os.path.dirname(__file__))
@@ -28,6 +31,19 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 "
 import jax
 import numpy as np
 import pytest
+
+# The suite compiles the same program again and again: jit caches are
+# cleared between files and implementations (below), and tests in several
+# files build the same steps. JAX's persistent compilation cache, in a
+# folder of this process's own that goes with it, hands each later copy the
+# executable compiled the first time (keyed by the program, its options and
+# the backend) and saves about a fifth of the run; nothing outlives it, so
+# every run compiles everything once, as on a clean clone.
+_compile_cache = tempfile.mkdtemp(prefix="dsv4-jax-tests-xla-")
+atexit.register(shutil.rmtree, _compile_cache, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _compile_cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 import dsv4_jax as D
 

@@ -130,6 +130,7 @@ R, MAXCTX = CFG.max_requests, CFG.max_context
 T = 48
 
 
+@functools.cache         # built once: the calls below take it and do not donate it
 def base_state():
     """Slots 0-2 hold requests with blocks for 512, 256 and 128 tokens; slot 3
     none (its compressor tokens meet MISSING_BLOCK, its window tokens are

@@ -4,6 +4,7 @@ it dropped (the rows out of order, so the smallest is not the first
 counted), on every implementation alike; with detail off the same calls
 leave every leaf bit for bit as with detail on, the counters included."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.error_detail import ErrorOp
 from dsv4_jax.errors import NUM_ERROR_KINDS, ErrorKind as K
+from dsv4_jax.ops.dispatch import auto_means
 from dsv4_jax.app.workload import layer_params
 from support.marks import every_impl
 
@@ -24,6 +26,11 @@ FREE = 2            # a slot no request holds: no blocks
 
 def _filled(cfg):
     """Requests a (slot 0, 40 tokens) and b (slot 1, 20 tokens), written."""
+    return _filled_under(cfg, auto_means())
+
+
+@functools.cache    # once a config and implementation: the steps below do not donate it
+def _filled_under(cfg, impl):
     m = dj.CacheManager(cfg)
     a, b = m.admit(), m.admit()
     assert (m.slot_of(a), m.slot_of(b)) == (0, 1)
