@@ -1,5 +1,5 @@
 // CUDA handler of attention (operands in ffi/include/dsv4/attention.h, rules in
-// docs/design.md §6 and dsv4_jax/ops/attention.py). A prefill call first
+// docs/design/operations.md and dsv4_jax/ops/attention.py). A prefill call first
 // encodes its chunk rows once and decodes them to bf16 (attention_chunk.cuh). Then the tensor-core
 // kernel (attention_tensor_core.cuh) runs with each token's items split over
 // a cluster of CTAs that merge in distributed shared memory

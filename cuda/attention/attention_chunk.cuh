@@ -2,7 +2,7 @@
 // append will store them, into the call's scratch (AttnBindChunkScratch in
 // ffi/include/dsv4/attention.h), with a flag per row saying whether it was finite (a row
 // with a NaN or Inf is dropped by append, so no query sees it), then decoded
-// once to the bf16 rows a query sees (docs/design.md §6: a prefill query sees
+// once to the bf16 rows a query sees (docs/design/operations.md: a prefill query sees
 // dequantize(quantize(chunk_kv[r])) in the pool's format). The attention
 // kernel's producer copies those rows into its tiles with cp.async, instead
 // of dequantizing a chunk row again for each of the up to 128 queries that

@@ -3,7 +3,7 @@
 // is merged with the partials of the other CTAs of its thread-block cluster
 // (the token's splits) through distributed shared memory, and the finished
 // rows are written: out = bf16(O / D) with the inverse RoPE, lse. No partial
-// leaves the SM and no second kernel runs (docs/design.md §6: each split
+// leaves the SM and no second kernel runs (docs/design/operations.md: each split
 // keeps fp32 sums relative to its own running max; the merge rescales them
 // to the largest max and adds them in fp32 before step 5).
 //
@@ -35,7 +35,7 @@ struct AttnPartial {
 };
 
 // 2^x (x <= 0 here; -inf gives 0): the SFU's exp2. Attention's outputs are
-// tolerance-checked (design §6), so the approximate form serves.
+// tolerance-checked (docs/design/operations.md), so the approximate form serves.
 __device__ __forceinline__ float Exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -49,7 +49,7 @@ __device__ __forceinline__ uint32_t PackBf16x2Rn(float lo, float hi) {
 }
 
 // The cos and sin of each RoPE pair's angle at token t's position
-// (fl32(float(pos) * inv_freq[k]), design §6), for AttnFinish: computed once
+// (fl32(float(pos) * inv_freq[k]), docs/design/operations.md), for AttnFinish: computed once
 // a token by one warp, not once a head.
 __device__ __forceinline__ void WarpRopeTable(const AttentionArgs& a, int64_t t, float2* rot) {
   const int lane = threadIdx.x & 31;

@@ -2,8 +2,8 @@
 // CUDA kernel (attention_tensor_core.cuh) with the CPU handler's rules: the
 // token's own checks, the prefill chunk's first position per request, and,
 // for each candidate item (window position, chunk row, CSA pick or HCA
-// entry), whether it is seen and where its row lives. Rules: docs/design.md
-// §6, `attention`.
+// entry), whether it is seen and where its row lives. Rules:
+// docs/design/operations.md, `attention`.
 #pragma once
 
 #include <climits>

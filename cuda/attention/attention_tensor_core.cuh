@@ -24,10 +24,10 @@
 //    4) into the shared P tile, and each runs O += P.V for its half of the 512
 //    output channels with both operands in shared memory. The softmax runs in
 //    log2 units (exp2 on the SFU); attention is tolerance-checked, not
-//    bit-exact (design §6).
+//    bit-exact (docs/design/operations.md).
 // The bf16 tiles are handed over by named barriers (full / empty per tile);
 // the consumers share P between barriers of their own.
-// Rules: docs/design.md §6; budget and designs tried: docs/perf/attention.md.
+// Rules: docs/design/operations.md; budget and designs tried: docs/perf/attention.md.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,5 +1,5 @@
 // The checks every kernel makes of its layer operand, and how a warp counts
-// the rows it drops (docs/design.md §9: counters in state.errors).
+// the rows it drops (docs/design/bad-input.md: counters in state.errors).
 #pragma once
 
 #include <cuda_runtime.h>

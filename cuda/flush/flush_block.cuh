@@ -146,7 +146,7 @@ constexpr int kStoreWarp = kIndexDim / 32;
 // Named barrier of the indexer key's four warps (0 is __syncthreads').
 constexpr int kIndexBarrier = 1;
 
-// The epilogue of docs/design.md §3 (and, CSA, the indexer key's with its
+// The epilogue of docs/design/semantics.md (and, CSA, the indexer key's with its
 // Hadamard step) and the stores, for entry e at position pos: thread c holds
 // the pooled value v of channel c and, c < 128, iv of the indexer key's
 // channel c; `kPart` says which of the two this block closes (v or iv is

@@ -1,4 +1,4 @@
-// CPU handler of attention (operands in attention.h, rules in docs/design.md §6
+// CPU handler of attention (operands in attention.h, rules in docs/design/operations.md
 // and dsv4_jax/ops/attention.py). Per token: the rows it sees are collected as
 // bf16 values in a fixed order — the window by position (t-127 .. t: the ring
 // before the chunk, then the chunk's rows), then the CSA picks in column order

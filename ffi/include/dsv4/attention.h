@@ -1,6 +1,6 @@
 // dsv4_attention: operands, binding and validation shared by the CPU and CUDA
 // handlers. Operands: DSV4_ATTENTION_OPERANDS below (dsv4/operands.h); what
-// each holds and the rules: dsv4_jax/ops/attention.py, docs/design.md §6
+// each holds and the rules: dsv4_jax/ops/attention.py, docs/design/operations.md
 // (`attention`); the kernel attribute's values: attention_rules.h AttnKernel.
 #pragma once
 
@@ -81,7 +81,7 @@ DSV4_HD int64_t AttnRingEntry(const AttentionArgs& a, int64_t l, int64_t s, int6
 // pool entry when it is seen; false for a skipped pick (-1) and for one that
 // counts (BAD_INDEX: < -1 or not visible; MISSING_BLOCK), which it hands to
 // `count`. `load` reads an int32 operand (the kernels through the read-only
-// cache). Both handlers decide with it (docs/design.md §6).
+// cache). Both handlers decide with it (docs/design/operations.md).
 template <typename Load, typename Count>
 DSV4_HD bool AttnCompressedItem(const AttentionArgs& a, int64_t lk, int64_t t, int64_t s,
                                 int64_t p, int64_t j, Load load, Count count, int64_t* e) {

@@ -1,4 +1,4 @@
-// The scalar rules of the attention op (docs/design.md §6, `attention`) that the
+// The scalar rules of the attention op (docs/design/operations.md, `attention`) that the
 // CPU handler and the CUDA kernel share: which rows a query sees, the softmax
 // scale, and the inverse RoPE of the output. __host__ __device__, built from
 // the numerics of dsv4/numerics.h.
@@ -21,7 +21,7 @@ enum AttnKind : int { kAttnSwa = 0, kAttnCsa = 1, kAttnHca = 2 };
 enum AttnKernel : int { kAttnKernelAuto = 0, kAttnKernelMmaSync = 1 };
 
 // fl32(512^-0.5), the softmax scale of every layer kind; it multiplies the
-// fp32 dot product (docs/design.md §6, step 1).
+// fp32 dot product (docs/design/operations.md, attention's step 1).
 DSV4_HD float AttnScale() { return 0.044194173824159216f; }
 
 // Whether a window row at position `p` belongs to the window of a query at

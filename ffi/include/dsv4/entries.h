@@ -1,4 +1,4 @@
-// One KV entry (512 channels) in the three storage formats of docs/design.md §4:
+// One KV entry (512 channels) in the three storage formats of docs/design/formats.md:
 // encode from bf16 values, decode to bf16. Serial per entry; shared by the CPU
 // handlers and usable per thread on the device.
 #pragma once

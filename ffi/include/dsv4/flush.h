@@ -1,7 +1,8 @@
 // flush: fold a step's compressor projections into the online-softmax
 // accumulators of a CSA or HCA layer and write the entries the step closes.
 // Operands and per-token rules: dsv4_jax/ops/flush.py ("dsv4_flush_csa",
-// "dsv4_flush_hca"); semantics docs/design.md §3 and §5.
+// "dsv4_flush_hca"); semantics docs/design/semantics.md and
+// docs/design/state.md.
 //
 // Accumulators: comp[L, R, A, 3, d] with rows (max, sum, kv) per channel. CSA
 // has A = 2: index 0 = current (entry w: a halves of window w-1, b halves of
@@ -11,7 +12,7 @@
 //   HCA: (z[c], kv[c]) to its accumulator,
 // with z = score + ape[p mod m].
 //
-// Gating (docs/design.md §3, "Order of a request's tokens"): the k-th row of
+// Gating (docs/design/semantics.md, "Order of a request's tokens"): the k-th row of
 // request s in the call (k = 0, 1, ...; rows of other requests may sit in
 // between) has the expected position ep = p0 + k, p0 the position of its
 // first row. A row is dropped if its position is not ep (BAD_POSITION), and

@@ -1,6 +1,6 @@
 // The window plan of flush for one *regular* request of a call: its rows
 // form one contiguous run t0 .. t0+n-1 whose positions are p0 .. p0+n-1, all
-// inside [0, max_context) and the block table (docs/design.md §5). Then each
+// inside [0, max_context) and the block table (docs/design/state.md). Then each
 // row's expected position (flush.h) is its own, the gating range is
 // [p0, p0+n-1], and every entry the call touches depends only on the rows of
 // its own window (CSA: and of the window before) plus, for the first one or

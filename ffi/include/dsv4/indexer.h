@@ -1,4 +1,4 @@
-// Scoring of the lightning indexer (docs/design.md §4; rules in
+// Scoring of the lightning indexer (docs/design/formats.md; rules in
 // dsv4_jax/ops/indexer.py), shared by the CPU handler and the CUDA kernel.
 // The arithmetic order is part of the contract: all three implementations
 // produce the same fp32 score bits, so they rank entries identically.

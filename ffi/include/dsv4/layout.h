@@ -1,4 +1,5 @@
-// Geometry and storage constants of the DSV4 cache (docs/design.md §2, §4, §5).
+// Geometry and storage constants of the DSV4 cache (docs/design/overview.md,
+// docs/design/formats.md, docs/design/state.md).
 // Mirrors dsv4_jax/config.py and dsv4_jax/errors.py; tests compare the two.
 #pragma once
 

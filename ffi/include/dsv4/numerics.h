@@ -1,5 +1,6 @@
 // Scalar numerics of the DSV4 cache, shared by the CPU handlers and the CUDA
-// kernels (docs/design.md §3, §4). Every function is `__host__ __device__` and built
+// kernels (docs/design/semantics.md, docs/design/formats.md). Every function
+// is `__host__ __device__` and built
 // from integer bit operations or IEEE +, -, *, / only, so that host and device
 // produce the same bits. Nothing here may be compiled with fast math; the build
 // passes -fno-fast-math -ffp-contract=off (host) and --fmad=false (nvcc), so
@@ -64,7 +65,7 @@ DSV4_HD float BitsFloat(uint32_t u) {
 DSV4_HD bool IsNan(float f) { return (FloatBits(f) & 0x7fffffffu) > 0x7f800000u; }
 DSV4_HD bool IsFinite(float f) { return (FloatBits(f) & 0x7f800000u) != 0x7f800000u; }
 DSV4_HD bool Bf16IsFinite(uint16_t h) { return (h & 0x7f80u) != 0x7f80u; }
-// Whether a row of inputs holds no NaN or Inf (docs/design.md §9: such a token is
+// Whether a row of inputs holds no NaN or Inf (docs/design/bad-input.md: such a token is
 // dropped and counted as NONFINITE).
 DSV4_HD bool RowIsFinite(const uint16_t* bf16, int64_t n) {
   bool ok = true;
@@ -219,8 +220,8 @@ DSV4_HD float E2m1Magic(float a) {
 // Nearest magnitude, a tie going to the even code (the rounding of the format):
 // 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
 // |x| > 6 and +-inf saturate to 6; the sign bit follows the fp32 sign, so
-// -0 and a negative value rounding to magnitude 0 give 0x8 (docs/design.md
-// §4, the sign of a zero code). The format has no NaN: NaN gives 0x8, as
+// -0 and a negative value rounding to magnitude 0 give 0x8 (docs/design/formats.md,
+// the sign of a zero code). The format has no NaN: NaN gives 0x8, as
 // ml_dtypes does.
 // Integer and fp32 operations only, no branches (a GPU warp does not
 // diverge); a NaN runs through them harmlessly and is replaced at the end.
