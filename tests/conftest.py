@@ -24,6 +24,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 # default level in numerics/test_quant.py).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 "
                                    "--xla_backend_optimization_level=0")
+# pytest's defaults run a worker per core (pyproject addopts): on a GPU each
+# worker would otherwise reserve most of the device's memory at its first
+# array and the second would fail to allocate.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # No --xla_allow_excess_precision=false here: the reference rounds to bf16
 # on the bits (reference/quant.py to_bf16), so it must hold under XLA's
 # default, which lets the GPU compiler drop f32 -> bf16 -> f32 round trips.

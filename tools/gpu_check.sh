@@ -64,12 +64,12 @@ if [ -n "${SKIP_TESTS:-}" ]; then
   echo "== tests skipped (SKIP_TESTS)"; : >"$OUT/pytest_gpu.log"
 else
   echo "== GPU tests"
-  $PY -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+  $PY -m pytest -q -n 0 -m gpu -p no:cacheprovider --durations=10 tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
   test_rc=${PIPESTATUS[0]}
   # The example and the README's step are not marked gpu (CI runs them on the
   # CPU); here impl="auto" takes every op's CUDA kernel end to end.
   echo "== examples/decode_loop.py and the README's step on the GPU"
-  $PY -m pytest -q -p no:cacheprovider tests/test_example.py tests/test_readme.py 2>&1 \
+  $PY -m pytest -q -n 0 -p no:cacheprovider tests/test_example.py tests/test_readme.py 2>&1 \
     | tee "$OUT/pytest_example.log" | tail -1
   [ "${PIPESTATUS[0]}" -eq 0 ] || test_rc=1
 fi

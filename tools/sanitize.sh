@@ -113,7 +113,7 @@ for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
   run_id="$$-$tool-$t0"
   DSV4_SANITIZE_RUN=$run_id "$SAN" --tool "$tool" --target-processes application-only \
     "${filter[@]}" "${SANITIZE_OPTS[@]}" --error-exitcode 86 --print-limit 20 \
-    "$PY" -m pytest -m gpu -p no:cacheprovider -x -v -rs --durations=8 \
+    "$PY" -m pytest -n 0 -m gpu -p no:cacheprovider -x -v -rs --durations=8 \
     -o console_output_style=times "${args[@]}" > "$log" 2>&1 &
   pid=$!
   dog=

@@ -22,7 +22,7 @@ git log -1 --format="commit %h %s" 2>/dev/null | cut -c1-100
 test_rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests of the changed kernels"
-  $PY -m pytest -q -m gpu -p no:cacheprovider \
+  $PY -m pytest -q -n 0 -m gpu -p no:cacheprovider \
       tests/ops/test_decode_step_kernels_gpu.py tests/ops/test_flush_windows_gpu.py \
       tests/ops/test_write_layer.py tests/ops/test_flush.py \
       2>&1 | tee "$OUT/pytest.log" | tail -15
