@@ -12,7 +12,10 @@ profiler, and a call's time is the median time from one score kernel's start
 to the next on the GPU's own timeline (CUPTI, device_timeline.py):
 everything the op does on the device, gaps included, none of the host's
 dispatch (host-timed loops carry a share of the dispatch that varies with
-the loop's length). `w/ disp` is one loop's host time over its calls, the
+the loop's length). From the same timeline, medians over the calls: `score`
+(the score kernel's duration), `tail` (the select's end less the score
+kernel's end: the select overlaps the score's last CTAs) and `span` (score
+start to select end: one call alone). `w/ disp` is one loop's host time over its calls, the
 median of `--repeats` runs. The copy bandwidth behind the floor is device
 time too: one kernel reading and writing 1 GiB. With `--impl cpu` (a smoke
 run) host times stand in.
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import CacheConfig, IndexerKeys, indexer_topk, init_state
-from dsv4_jax.app.bench.device_timeline import kernel_events, median_period_us
+from dsv4_jax.app.bench.device_timeline import kernel_events, two_kernel_phases
 from dsv4_jax.app.arguments import output_path
 from device import copy_bandwidth
 
@@ -114,7 +117,9 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"
         run(st, q, w).block_until_ready()
         ts.append(time.perf_counter() - t0)
     us_per_exec = statistics.median(ts) / calls * 1e6
-    period = median_period_us(kernel_events(run, st, q, w), "Score") if impl == "cuda" else None
+    phases = (two_kernel_phases(kernel_events(run, st, q, w), "ScoreKernel", "SelectKernel")
+              if impl == "cuda" else {})
+    period = phases.get("period_us")
     us = period if period is not None else us_per_exec
     entries = ctx // 4
     nbytes = B * (entries * KEY_BYTES + 64 * 128 * 2 + 64 * 4 + k * 4)
@@ -122,6 +127,8 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"
     floor_ops_us = B * entries * 8192 * 2 / lane_rate * 1e6
     del st
     return dict(B=B, context=ctx, k=k, q_format=q_format, keys=keys, us=us,
+                score_us=phases.get("first_us"), select_tail_us=phases.get("tail_us"),
+                span_us=phases.get("span_us"),
                 timing="host" if period is None else "device",
                 us_per_exec=us_per_exec, bytes=nbytes, floor_bytes_us=floor_bytes_us,
                 ratio_bytes=us / floor_bytes_us, floor_fp32_us=floor_ops_us,
@@ -168,11 +175,14 @@ def main(argv=None):
                     print(f"B={B:3d} ctx={ctx:8d} q={fmt:5s} keys={keys}: {r['us']:10.1f} us "
                           f"({r['us_per_exec']:.1f} us with dispatch)", flush=True)
     print()
-    print(f"{'B':>4} {'context':>8} {'k':>5} {'q':>5} {'keys':>13} {'us/call':>10} {'w/ disp':>8} "
+    print(f"{'B':>4} {'context':>8} {'k':>5} {'q':>5} {'keys':>13} {'us/call':>10} {'score':>7} "
+          f"{'tail':>6} {'span':>7} {'w/ disp':>8} "
           f"{'keys MB':>8} {'floor us':>9} {'x floor':>8} {'fp32 us':>9} {'x fp32':>7}")
+    num = lambda v, w: f"{v:{w}.1f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     for r in rows:
         print(f"{r['B']:4d} {r['context']:8d} {r['k']:5d} {r['q_format']:>5} {r['keys']:>13} "
-              f"{r['us']:10.1f} {r['us_per_exec']:8.1f} {r['bytes'] / 1e6:8.2f} "
+              f"{r['us']:10.1f} {num(r['score_us'], 7)} {num(r['select_tail_us'], 6)} "
+              f"{num(r['span_us'], 7)} {r['us_per_exec']:8.1f} {r['bytes'] / 1e6:8.2f} "
               f"{r['floor_bytes_us']:9.2f} {r['ratio_bytes']:8.1f} {r['floor_fp32_us']:9.1f} "
               f"{r['ratio_fp32']:7.2f}")
     if args.json:

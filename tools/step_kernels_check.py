@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 
 import dsv4_jax as dj  # noqa: E402
 from dsv4_jax import config as C  # noqa: E402
-from dsv4_jax.app.bench.device_timeline import kernel_events  # noqa: E402
+from dsv4_jax.app.bench.device_timeline import kernel_events, two_kernel_phases  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from append_original import workload as append_workload  # noqa: E402
@@ -77,13 +77,9 @@ def indexer_times(st, B, ctx, calls=8):
             idx = idx + i
         return idx, st
     loop(st)[0].block_until_ready()
-    events = kernel_events(lambda: loop(st)[0])
-    score, select = durations(events, "ScoreKernel"), durations(events, "SelectKernel")
-    pairs = list(zip(score, select))
-    return {"score_us": median([e - s for s, e in score]),
-            "select_tail_us": median([se - ce for (_, ce), (_, se) in pairs]),
-            "span_us": median([se - cs for (cs, _), (_, se) in pairs]),
-            "period_us": median([b[0] - a[0] for a, b in zip(score, score[1:])])}
+    ph = two_kernel_phases(kernel_events(lambda: loop(st)[0]), "ScoreKernel", "SelectKernel")
+    return {"score_us": ph["first_us"], "select_tail_us": ph["tail_us"],
+            "span_us": ph["span_us"], "period_us": ph["period_us"]}
 
 
 # ---- append -----------------------------------------------------------------------------------

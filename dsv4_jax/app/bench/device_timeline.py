@@ -105,14 +105,25 @@ def kernel_events(fn, *args, runs=1):
     return sorted(events)
 
 
-def median_period_us(events, first_kernel):
-    """Median time from one start of a kernel whose name holds `first_kernel`
-    to the next: the period of one call in a loop of calls. None for fewer
-    than two starts."""
-    starts = [s for s, _, name in events if first_kernel in name]
-    if len(starts) < 2:
-        return None
-    return statistics.median((b - a) / 1e3 for a, b in zip(starts, starts[1:]))
+def two_kernel_phases(events, first, second):
+    """Medians in µs over the calls of a two-kernel op traced in a loop (the
+    kernel whose name holds `first`, then the one holding `second`, once a
+    call): the first kernel's duration, the second's tail (its end less the
+    first's end: what it adds once the first is done), the span (the first's
+    start to the second's end) and the period (one first start to the next).
+    None where a kernel is missing."""
+    def spans(name):
+        return [(s / 1e3, (s + d) / 1e3) for s, d, n in events if name in n]
+
+    def med(xs):
+        return statistics.median(xs) if xs else None
+
+    a, b = spans(first), spans(second)
+    pairs = list(zip(a, b))
+    return {"first_us": med([e - s for s, e in a]),
+            "tail_us": med([be - ae for (_, ae), (_, be) in pairs]),
+            "span_us": med([be - as_ for (as_, _), (_, be) in pairs]),
+            "period_us": med([y[0] - x[0] for x, y in zip(a, a[1:])])}
 
 
 def split_steps(events, steps):
