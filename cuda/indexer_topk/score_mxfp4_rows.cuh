@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
   const int rows = static_cast<int>(a.T - t0 < rows_per_cta ? a.T - t0 : rows_per_cta);
   const int pass_row = threadIdx.x / kQueryPairs, pair = threadIdx.x % kQueryPairs;
   // the first pass's queries first (ScoreKernelMxfp4's reason)
-  QueryBlockRaw qraw;
+  QueryBlockRaw qraw{};
   if (pass_row < rows)
     qraw = LoadQueryBlock(a, t0 + pass_row, pair / kIndexScales, pair % kIndexScales);
   constexpr int columns = TileColumns(kPairs);
@@ -162,11 +162,12 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
     if (!rounded) {
       // every live row's query while the first tiles arrive, a pass of
       // kRowsPerPass rows at a time (whole warps a row), the next pass's
-      // loads ahead of this one's arithmetic
+      // loads ahead of this one's arithmetic (zeroed where a row has none:
+      // the copy below then never reads an unset register)
 #pragma unroll 1
       for (int p = 0; p * kRowsPerPass < rows; ++p) {
         const int r = p * kRowsPerPass + pass_row, rn = r + kRowsPerPass;
-        QueryBlockRaw next;
+        QueryBlockRaw next{};
         if (rn < rows && (live >> rn & 1))
           next = LoadQueryBlock(a, t0 + rn, pair / kIndexScales, pair % kIndexScales);
         if (r < rows && (live >> r & 1)) {
