@@ -3,6 +3,7 @@ commit step against a plain decode step's cache-and-attention work, and the
 commit alone per layer.
 
     python benchmarks/bench_speculative.py --json speculative.json   # B 64, k 3, 64k
+    python benchmarks/bench_speculative.py --indexer-rows 1          # a CTA a verify row
     python benchmarks/bench_speculative.py --quick                   # CPU-sized smoke run
 
 Every request holds `context` tokens (filled_state: random valid entries, a
@@ -12,9 +13,11 @@ at position context - 1, so both close a CSA and an HCA window. Per layer:
   plain        write_layer (B rows), indexer_topk (CSA, k = top-k), attention
                (B queries of H heads; CSA on the picks, HCA on every entry)
   speculative  verify_begin; per layer verify_layer, indexer_topk and
-               attention with chunk_kv (B (1 + k) rows); verify_commit (a
-               random 1 .. 1 + k kept a request); per layer write_layer of
-               the kept rows
+               attention with chunk_kv (B (1 + k) rows; indexer_topk's
+               rows_per_request `--indexer-rows`, default min(1 + k, 8): a
+               request's rows scored by one CTA); verify_commit (a random
+               1 .. 1 + k kept a request); per layer write_layer of the kept
+               rows
   commit       verify_commit and the kept rows' write_layer on every layer,
                from a VerifyStep taken once (the copy written back each call)
   restore      verify_commit alone (the copy back and the block-table rows)
@@ -24,7 +27,9 @@ Layers 3 .. 42 run as a `lax.scan` over the (HCA, CSA) pair with a traced
 layer index, as a model keeps its compile time down; one jit a program, the
 state donated. Times come from the device timeline (span of one call's
 kernels, the median over `--reps` traced calls; dispatch left out), on the
-CPU from the host.
+CPU from the host; on the GPU each row also gives the busy time of each op
+family (`family_us`: `indexer` is indexer_topk's score and select kernels of
+the whole step), printed for the plain and the speculative step.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ import dsv4_jax as dj  # noqa: E402
 from dsv4_jax.app.arguments import output_path  # noqa: E402
 from dsv4_jax.app.bench.device_timeline import kernel_events, timeline_summary  # noqa: E402
 from dsv4_jax.app.bench.filled_state import filled_state  # noqa: E402
+from dsv4_jax.ops.indexer import MAX_ROWS_PER_REQUEST  # noqa: E402
 
 F32 = jnp.float32
 HEAD_DIM, INDEX_HEADS, INDEX_DIM = 512, 64, 128
@@ -115,19 +121,20 @@ def over_layers(kinds, carry, per_layer):
     return carry
 
 
-def attend(s, h, layer, kind, x, m, q, sink, topk, chunk_kv):
-    """indexer_topk (CSA) and attention of the rows of `m`; folds the output
-    into h so XLA keeps it."""
+def attend(s, h, layer, kind, x, m, q, sink, topk, chunk_kv, indexer_rows=1):
+    """indexer_topk (CSA; `indexer_rows` its rows_per_request) and attention
+    of the rows of `m`; folds the output into h so XLA keeps it."""
     idx = None
     if kind == CSA:
-        idx, s = dj.indexer_topk(s, layer, m.token_slot, m.token_pos, x["iq"], x["iw"], topk)
+        idx, s = dj.indexer_topk(s, layer, m.token_slot, m.token_pos, x["iq"], x["iw"], topk,
+                                 rows_per_request=indexer_rows)
     out, lse, s = dj.attention(s, layer, q, m.token_slot, m.token_pos, sink=sink, topk=idx,
                                chunk_kv=chunk_kv, rope_inv_freq=x["inv_freq"], kind=kind)
     return s, h + jnp.sum(out[:, 0, :8].astype(F32))
 
 
 # ---- the programs ----------------------------------------------------------------------------
-def programs(cfg, drafts):
+def programs(cfg, drafts, indexer_rows):
     kinds, topk = cfg.layer_kinds, cfg.index_topk
 
     def plain(s, x, q, sink):
@@ -151,7 +158,8 @@ def programs(cfg, drafts):
             s, h = c
             comp, extra = compressor(x, kind)
             s = dj.verify_layer(s, layer, spec, *comp, **extra)
-            return attend(s, h, layer, kind, x, spec.verified, q, sink, topk, x["kv"])
+            return attend(s, h, layer, kind, x, spec.verified, q, sink, topk, x["kv"],
+                          indexer_rows)
         s, h = over_layers(kinds, (s, F32(0)), layer_fn)
         s, kept = dj.verify_commit(s, spec, accepted)
         return write_kept(s, kept, x), h
@@ -183,7 +191,8 @@ def timed(call, reps, layers):
     events = kernel_events(call, runs=reps)
     if events:
         summary = timeline_summary(events, reps, layers)
-        row.update({k: summary[k] for k in ("span_us", "busy_us", "kernels_per_step", "split")})
+        row.update({k: summary[k] for k in ("span_us", "busy_us", "family_us", "kernels_per_step",
+                                            "split")})
         row["kernels"] = summary["kernels"][:12]
     return row
 
@@ -195,7 +204,8 @@ def run_case(args, B, context, drafts):
     cfg = preset(max_requests=B, max_context=context + dj.config.BLOCK_TOKENS)
     box = [filled_state(cfg, context, args.seed)]
     L = cfg.num_layers
-    progs = programs(cfg, drafts)
+    indexer_rows = args.indexer_rows or min(1 + drafts, MAX_ROWS_PER_REQUEST)
+    progs = programs(cfg, drafts, indexer_rows)
     one = step_rows(B, 1, context, args.seed)
     many = step_rows(B, 1 + drafts, context, args.seed)
     q1, sink = queries(B, args.heads, args.seed)
@@ -203,7 +213,8 @@ def run_case(args, B, context, drafts):
     rng = np.random.default_rng(args.seed)
     accepted = jnp.asarray(rng.integers(1, 2 + drafts, B), jnp.int32)
     base = dict(model=cfg.model, B=B, context=context, drafts=drafts, heads=args.heads,
-                kept_tokens=int(np.sum(accepted)), verified_tokens=B * (1 + drafts))
+                kept_tokens=int(np.sum(accepted)), verified_tokens=B * (1 + drafts),
+                indexer_rows=indexer_rows)
     rows = []
 
     def record(name, call, per_layer=False):
@@ -213,6 +224,8 @@ def run_case(args, B, context, drafts):
         row["errors"] = [int(e) for e in np.asarray(box[0].errors)]
         rows.append(row)
         span = f", span {row['span_us']:.1f} us" if "span_us" in row else ""
+        if "family_us" in row and name in ("plain", "speculative"):
+            span += f", indexer {row['family_us']['indexer']:.1f} us"
         print(f"B={B} context={context} k={drafts} {name}: host {row['host_ms']:.3f} ms{span}"
               + (" ERROR COUNTS " + str(row["errors"]) if any(row["errors"]) else ""),
               flush=True)
@@ -242,8 +255,10 @@ def run_case(args, B, context, drafts):
     key = "span_us" if "span_us" in by["plain"] else "host_ms"
     ratio = by["speculative"][key] / by["plain"][key]
     per_layer = (by["commit"][key] / L) * (1 if key == "span_us" else 1e3)
+    indexer = ({f"indexer_us_{p}": by[p]["family_us"]["indexer"] for p in ("plain", "speculative")}
+               if "family_us" in by["plain"] else {})
     rows.append(dict(base, program="summary", measure=key, speculative_over_plain=ratio,
-                     commit_us_per_layer=per_layer,
+                     commit_us_per_layer=per_layer, **indexer,
                      target_ratio=1.5, target_commit_us_per_layer=10.0))
     print(f"  speculative / plain: {ratio:.2f}x (target <= 1.5x); commit "
           f"{per_layer:.2f} us a layer (target <= 10) [{key}]", flush=True)
@@ -260,6 +275,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, nargs="*", default=None, help="default 65536")
     ap.add_argument("--drafts", type=int, nargs="*", default=None, help="k (default 3)")
     ap.add_argument("--heads", type=int, default=None, help="query heads (V4-Flash: 64)")
+    ap.add_argument("--indexer-rows", type=int, default=None,
+                    help="indexer_topk's rows_per_request in the verify step (default min(1 + k, "
+                         f"{MAX_ROWS_PER_REQUEST}); 1: a CTA a row, as before it existed)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=output_path, help="write the rows to this file")

@@ -8,7 +8,8 @@ cache byte for byte what a cache fed only the kept tokens holds.
     for layer in layers:                                    # a prefill chunk, never appended
         state = verify_layer(state, layer, spec, comp_kv, comp_score, params, index_kv=...,
                              index_score=...)
-        idx, state = indexer_topk(state, layer, spec.verified.token_slot, ...)
+        idx, state = indexer_topk(state, layer, spec.verified.token_slot, ...,
+                                  rows_per_request=min(1 + k, 8))   # a key tile read once a request
         out, lse, state = attention(state, layer, q, spec.verified.token_slot, ...,
                                     topk=idx, chunk_kv=kv)
     accepted = accepted_counts(spec, draft_ok)              # i32[R] on the device

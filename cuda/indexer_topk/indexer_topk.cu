@@ -19,7 +19,9 @@
 //     cores, keys streamed through a cp.async ring. The mxfp4 kernel is
 //     launched overlapped too, so its CTAs are in place when the kernel
 //     ahead of it (the layer's write, say) ends; it reads nothing before
-//     its wait.
+//     its wait. With rows_per_request G > 1 the grid is (ceil(T / G), entry
+//     chunks) of ScoreKernelMxfp4Rows (score_mxfp4_rows.cuh): a CTA scores
+//     G consecutive rows, each key tile of a request read once for its rows.
 //  2. SelectKernel (select.cuh), one block of 1024 threads a token, or a
 //     cluster of up to 8 past 16384 entries, launched so that it may start
 //     while the score kernel finishes (cuda::LaunchOverlapped; the mxfp4
@@ -36,6 +38,7 @@
 #include "indexer_topk/launch_policy.h"
 #include "indexer_topk/score_fp32.cuh"
 #include "indexer_topk/score_mxfp4.cuh"
+#include "indexer_topk/score_mxfp4_rows.cuh"
 #include "indexer_topk/select.cuh"
 
 namespace dsv4 {
@@ -63,23 +66,37 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_INDEXER_TOPK_OP
     if (chunks > 65535 || a.T > 0x7fffffff)
       return ffi::Error::InvalidArgument("indexer_topk: too many tokens or entries for one grid");
     if (a.q_format == kQueryMxfp4) {
-      const int tpw = TilesPerWarp(a.T, a.E, cuda::SmCount());
-      const bool pairs = PairWarps(a.T, a.E, tpw, cuda::SmCount());
+      // a CTA row a group of rows_per_request rows (one row: ScoreKernelMxfp4)
+      const int64_t group = rows_per_request;
+      const int64_t cta_rows = (a.T + group - 1) / group;
+      const int tpw = TilesPerWarp(cta_rows, a.E, cuda::SmCount());
+      const bool pairs = PairWarps(cta_rows, a.E, tpw, cuda::SmCount());
       const int64_t span = static_cast<int64_t>(TileColumns(pairs)) * tpw * kTile;
       const int64_t ctas = (a.E + span - 1) / span;
       if (ctas > 65535)
         return ffi::Error::InvalidArgument("indexer_topk: too many entries for one grid");
       // static and dynamic shared memory together pass the default 48 KB
+      const size_t bytes = group == 1 ? kRingBytes : RowsDynamicBytes(static_cast<int>(group));
       const cudaError_t opt_in =
-          AllowDynamicShared<ScoreKernelMxfp4<false>, ScoreKernelMxfp4<true>>(kRingBytes);
+          group == 1
+              ? AllowDynamicShared<ScoreKernelMxfp4<false>, ScoreKernelMxfp4<true>>(kRingBytes)
+              : AllowDynamicShared<ScoreKernelMxfp4Rows<false>, ScoreKernelMxfp4Rows<true>>(
+                    RowsDynamicBytes(kMaxRowsPerCta));
       if (opt_in != cudaSuccess)
         return ffi::Error::Internal(std::string("indexer_topk shared memory: ") +
                                     cudaGetErrorString(opt_in));
-      const dim3 grid(static_cast<unsigned>(a.T), static_cast<unsigned>(ctas));
-      const bool evict_first = KeysEvictFirst(a.T, a.E, cuda::L2Bytes());
-      const auto kernel = pairs ? ScoreKernelMxfp4<true> : ScoreKernelMxfp4<false>;
-      const cudaError_t e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), kRingBytes,
-                                                   1u, stream, a, tpw, evict_first);
+      const dim3 grid(static_cast<unsigned>(cta_rows), static_cast<unsigned>(ctas));
+      const bool evict_first = KeysEvictFirst(cta_rows, a.E, cuda::L2Bytes());
+      cudaError_t e;
+      if (group == 1) {
+        const auto kernel = pairs ? ScoreKernelMxfp4<true> : ScoreKernelMxfp4<false>;
+        e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), bytes, 1u, stream, a, tpw,
+                                   evict_first);
+      } else {
+        const auto kernel = pairs ? ScoreKernelMxfp4Rows<true> : ScoreKernelMxfp4Rows<false>;
+        e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), bytes, 1u, stream, a, tpw,
+                                   evict_first, static_cast<int>(group));
+      }
       if (e != cudaSuccess)
         return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(e));
     } else if (SplitScores(a.T, a.E)) {

@@ -13,6 +13,10 @@
 //   6     65536    one-thread | 16 columns, 6 tiles        no           4
 //   1     262144   one-thread | 16 columns, 4 tiles        no           8
 //
+// With rows_per_request G > 1 the mxfp4 choices take the grid's CTA rows,
+// ceil(T / G), for T (a CTA scores G rows: ScoreKernelMxfp4Rows): a verify
+// step of 64 requests of 4 rows at 64k is then shaped as 64 decode tokens.
+//
 // None of these changes a result bit: every kernel shape computes the same
 // scores and the same selection (tests/ops/test_indexer_topk_scores.py and
 // tests/ops/test_indexer_topk_select.py run each of them).

@@ -79,59 +79,70 @@ __device__ __forceinline__ void Mma(uint32_t (&d)[4], const uint32_t (&a)[4], ui
 // rank key treats -0 as +0, so the keys equal the definition's.
 __device__ __forceinline__ float Relu(float d) { return fmaxf(d, 0.f); }
 
-// Fast form, one half hf of the lane's heads (n-tiles 4hf..4hf+3: heads 16c +
-// 8hf .. + 7): levels 1-3 of the head tree for rows g + 8r, scaled and signed
-// (TreeSigns, mxfp4_head_tree.cuh). keys[r]: block c of row g + 8r (word kk:
-// k-step kk); tab[r]: its magnitude table. leaf[4j] = (s, s', -2^23 s, -2^23
-// s') and start[4j] = (S, S', S, S'), the accumulator starts, of heads 16c +
-// 2j, +1. Each half decodes the keys itself, so that only half the heads'
-// accumulators are live at once (a build with one decode was hardly faster:
-// docs/perf/indexer.md, "Ideas tried"). The compiler merges the two identical
-// decodes: the sm_90a loop has one decode's 68 PRMT a tile.
-template <int kHalf>
-__device__ __forceinline__ void FastTileHalf(const uint4* bfrag, const float4* leaf,
-                                             const TreeSigns& signs, const uint4* start,
-                                             const uint4 (&keys)[4], const uint2 (&tab)[4],
-                                             float (&l3)[4]) {
-  constexpr int j0 = 4 * kHalf;
-  uint32_t acc[2][4][4];   // [row half][n-tile - j0][fragment]
+// Fast form: k-steps 2bp, 2bp + 1 of the lane's key operand of a tile,
+// decoded. keys[r]: block c of row g + 8r (word kk: k-step kk); tab[r]: its
+// magnitude table. a[t][e]: the A fragment of row half t, k-step 2bp + e.
+__device__ __forceinline__ void DecodeFastKeys(const uint4 (&keys)[4], const uint2 (&tab)[4],
+                                               int bp, uint32_t (&a)[2][2][4]) {
 #pragma unroll
-  for (int bp = 0; bp < 2; ++bp) {
-    uint32_t a[2][2][4];   // [row half][k-step of the pair][fragment]
+  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const uint4& k0 = keys[2 * t];
+      const uint4& k1 = keys[2 * t + 1];
+      const uint32_t w0 = bp == 0 ? (e == 0 ? k0.x : k0.y) : (e == 0 ? k0.z : k0.w);
+      const uint32_t w1 = bp == 0 ? (e == 0 ? k1.x : k1.y) : (e == 0 ? k1.z : k1.w);
+      E2m1x8ToBiased(w0, tab[2 * t].x, tab[2 * t].y, &a[t][e][0], &a[t][e][2]);
+      E2m1x8ToBiased(w1, tab[2 * t + 1].x, tab[2 * t + 1].y, &a[t][e][1], &a[t][e][3]);
+    }
+  }
+}
+
+// The whole tile's key operand (both k-step pairs bp).
+__device__ __forceinline__ void DecodeFastTile(const uint4 (&keys)[4], const uint2 (&tab)[4],
+                                               uint32_t (&a)[2][2][2][4]) {
+  DecodeFastKeys(keys, tab, 0, a[0]);
+  DecodeFastKeys(keys, tab, 1, a[1]);
+}
+
+// Fast form, half hf of the lane's heads (n-tiles j0 = 4hf .. 4hf + 3): the
+// MMAs of k-step pair bp into acc[row half][n-tile - j0], from the
+// accumulator starts start[4j] = (S, S', S, S') of heads 16c + 2j, +1 at bp 0.
+template <int kHalf>
+__device__ __forceinline__ void FastMmaPair(const uint4* bfrag, const uint4* start, int bp,
+                                            const uint32_t (&a)[2][2][4],
+                                            uint32_t (&acc)[2][4][4]) {
+  constexpr int j0 = 4 * kHalf;
+  // eight independent accumulators between an MMA and the next on the same one
+  uint4 bq[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) bq[j] = bfrag[((j0 + j) * 2 + bp) * 32];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const uint4& k0 = keys[2 * t];
-        const uint4& k1 = keys[2 * t + 1];
-        const uint32_t w0 = bp == 0 ? (e == 0 ? k0.x : k0.y) : (e == 0 ? k0.z : k0.w);
-        const uint32_t w1 = bp == 0 ? (e == 0 ? k1.x : k1.y) : (e == 0 ? k1.z : k1.w);
-        E2m1x8ToBiased(w0, tab[2 * t].x, tab[2 * t].y, &a[t][e][0], &a[t][e][2]);
-        E2m1x8ToBiased(w1, tab[2 * t + 1].x, tab[2 * t + 1].y, &a[t][e][1], &a[t][e][3]);
+      if (bp == 0) {
+        const uint4 s = start[4 * (j0 + j)];
+        const uint32_t c0[4] = {s.x, s.y, s.z, s.w};
+        Mma<true>(acc[t][j], a[t][0], bq[j].x, bq[j].y, c0);
+      } else {
+        Mma<true>(acc[t][j], a[t][0], bq[j].x, bq[j].y, acc[t][j]);
       }
     }
-    // eight independent accumulators between an MMA and the next on the same one
-    uint4 bq[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) bq[j] = bfrag[((j0 + j) * 2 + bp) * 32];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        if (bp == 0) {
-          const uint4 s = start[4 * (j0 + j)];
-          const uint32_t c0[4] = {s.x, s.y, s.z, s.w};
-          Mma<true>(acc[t][j], a[t][0], bq[j].x, bq[j].y, c0);
-        } else {
-          Mma<true>(acc[t][j], a[t][0], bq[j].x, bq[j].y, acc[t][j]);
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int t = 0; t < 2; ++t) Mma<true>(acc[t][j], a[t][1], bq[j].z, bq[j].w, acc[t][j]);
   }
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int t = 0; t < 2; ++t) Mma<true>(acc[t][j], a[t][1], bq[j].z, bq[j].w, acc[t][j]);
+}
+
+// Fast form, half hf: levels 1-3 of the head tree for rows g + 8r from the
+// MMAs' ends, scaled and signed (TreeSigns, mxfp4_head_tree.cuh); leaf[4j] =
+// (s, s', -2^23 s, -2^23 s') of heads 16c + 2j, +1.
+template <int kHalf>
+__device__ __forceinline__ void FastTileLeaves(const float4* leaf, const TreeSigns& signs,
+                                               const uint32_t (&acc)[2][4][4], float (&l3)[4]) {
+  constexpr int j0 = 4 * kHalf;
   float p[4][4];   // [row g + 8r][pair]
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -145,6 +156,40 @@ __device__ __forceinline__ void FastTileHalf(const uint4* bfrag, const float4* l
   }
 #pragma unroll
   for (int r = 0; r < 4; ++r) l3[r] = HalfHeadTree(p[r], signs, kHalf);
+}
+
+// Fast form, one half hf of the lane's heads (n-tiles 4hf..4hf+3: heads 16c +
+// 8hf .. + 7): levels 1-3 of the head tree for rows g + 8r. Each half decodes
+// the keys itself, a k-step pair at a time, so that only half the heads'
+// accumulators are live at once (a build with one decode was hardly faster:
+// docs/perf/indexer.md, "Ideas tried"). The compiler merges the two identical
+// decodes: the sm_90a loop has one decode's 68 PRMT a tile.
+template <int kHalf>
+__device__ __forceinline__ void FastTileHalf(const uint4* bfrag, const float4* leaf,
+                                             const TreeSigns& signs, const uint4* start,
+                                             const uint4 (&keys)[4], const uint2 (&tab)[4],
+                                             float (&l3)[4]) {
+  uint32_t acc[2][4][4];   // [row half][n-tile - j0][fragment]
+#pragma unroll
+  for (int bp = 0; bp < 2; ++bp) {
+    uint32_t a[2][2][4];   // [row half][k-step of the pair][fragment]
+    DecodeFastKeys(keys, tab, bp, a);
+    FastMmaPair<kHalf>(bfrag, start, bp, a, acc);
+  }
+  FastTileLeaves<kHalf>(leaf, signs, acc, l3);
+}
+
+// FastTileHalf on a tile decoded once (DecodeFastTile) for several queries:
+// the decoded operand stays in registers across them.
+template <int kHalf>
+__device__ __forceinline__ void FastTileHalfDecoded(const uint4* bfrag, const float4* leaf,
+                                                    const TreeSigns& signs, const uint4* start,
+                                                    const uint32_t (&a)[2][2][2][4],
+                                                    float (&l3)[4]) {
+  uint32_t acc[2][4][4];
+#pragma unroll
+  for (int bp = 0; bp < 2; ++bp) FastMmaPair<kHalf>(bfrag, start, bp, a[bp], acc);
+  FastTileLeaves<kHalf>(leaf, signs, acc, l3);
 }
 
 // Key bytes of one row half for this lane in the per-block form (rows g and

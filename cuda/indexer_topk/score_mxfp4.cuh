@@ -56,14 +56,10 @@ namespace {  // internal linkage: see cuda/indexer_topk/indexer_topk.cu
 // fits 128 registers: 16 warps a multiprocessor.
 
 // A tile in the per-block form: levels 1-4 of the head tree of the lane's
-// rows g + 8h. Out of line: rare, and its registers stay out of the fast
-// path's. One copy per score kernel (kCaller: its kPairs), so that the
-// compiler still folds the caller's shared-memory addresses into it: a copy
-// shared by two callers takes them as parameters, and the caller spills.
-template <bool kCaller>
-__device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfrag,
-                                           const float2 (*qf_s)[kIndexHeads / 2],
-                                           const float2* w_s, int g, int c) {
+// rows g + 8h (BlockTileL4 and ScoreKernelMxfp4Rows' BlockTileL4Row call it).
+__device__ __forceinline__ float4 BlockTileL4Sums(const uint32_t* st, const uint4* bfrag,
+                                                  const float2 (*qf_s)[kIndexHeads / 2],
+                                                  const float2* w_s, int g, int c) {
   float l4[4];
   const TreeSigns plain = PlainTreeSigns();
 #pragma unroll
@@ -86,6 +82,17 @@ __device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfra
     l4[2 * half + 1] = LaneHeadTree(ph, plain);
   }
   return make_float4(l4[0], l4[1], l4[2], l4[3]);
+}
+
+// BlockTileL4Sums out of line: rare, and its registers stay out of the fast
+// path's. One copy per score kernel (kCaller: its kPairs), so that the
+// compiler still folds the caller's shared-memory addresses into it: a copy
+// shared by two callers takes them as parameters, and the caller spills.
+template <bool kCaller>
+__device__ __noinline__ float4 BlockTileL4(const uint32_t* st, const uint4* bfrag,
+                                           const float2 (*qf_s)[kIndexHeads / 2],
+                                           const float2* w_s, int g, int c) {
+  return BlockTileL4Sums(st, bfrag, qf_s, w_s, g, c);
 }
 
 // One CTA: one token, columns * tiles_per_warp tiles of consecutive entries;

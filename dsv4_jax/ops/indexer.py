@@ -82,7 +82,21 @@ FFI target "dsv4_indexer_topk" (the same operands on CPU and CUDA):
         q_format 1, else u8[T, 0]: the CPU handler's rounded query; unused
         on CUDA, where each CTA rounds q into shared memory; discarded),
         errors (aliased when the state is returned)
-  attrs q_format 0 ("bf16") or 1 ("mxfp4")
+  attrs q_format 0 ("bf16") or 1 ("mxfp4"), rows_per_request 1 .. 8 (the
+        schedule hint below; validated by both handlers, used by CUDA's
+        mxfp4 score kernel only)
+
+rows_per_request (a speculative verify step's 1 + drafts): a static hint of
+how the rows are laid out, never of what they mean. The CUDA mxfp4 score
+kernel takes consecutive rows in groups of that many (the last may be
+shorter); where a group's rows share a slot, one CTA reads and decodes each
+key tile of that request once and scores every row of the group against it
+(rows of other slots in a group are scored after them, their slot's tiles
+read once more). Each row keeps its own visible count, its own bad-input
+handling and counts, and the same score bits, so every value returns the same
+indices and errors; the bf16 kernel, the CPU handler and the reference only
+check it. 8 at most: the CUDA kernel holds that many rounded queries in
+shared memory beside its key rings.
 """
 from __future__ import annotations
 
@@ -101,6 +115,7 @@ from .shards import per_shard
 
 _I32 = jnp.int32
 MAX_K = 4096   # the CUDA kernel sorts the selection in shared memory
+MAX_ROWS_PER_REQUEST = 8   # kMaxRowsPerRequest of dsv4/indexer_topk.h
 Q_FORMATS = {"bf16": 0, "mxfp4": 1}      # the FFI attribute q_format
 # per token (kQueryScratchBytes of dsv4/indexer.h): int8 codes [64, 128],
 # f32 factors [4, 64], the shifted codes [64, 128] and f32 wq [64] of the fast form
@@ -111,7 +126,7 @@ QUERY_SCRATCH_BYTES = (2 * C.INDEX_HEADS * C.INDEX_DIM + 4 * C.INDEX_HEADS * C.I
 @records_detail(ErrorOp.INDEXER_TOPK, query_rows, state_at=1)
 def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax.Array,
                  q: jax.Array, weights: jax.Array, k: int, *, q_format: str = "mxfp4",
-                 impl: str = "auto", return_state: bool = True):
+                 rows_per_request: int = 1, impl: str = "auto", return_state: bool = True):
     """Top-k CSA entries per query token by indexer score: indices i32[T, k]
     (-1 padded), best first.
 
@@ -126,6 +141,15 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
     q_format              "mxfp4" (default) rounds q to MXFP4 first, as
                           DeepSeek-V4's inference code does (exact block sums;
                           the fast path on the GPU); "bf16" scores q as given
+    rows_per_request      a Python int in [1, 8], a schedule hint: runs of
+                          this many consecutive rows (from row 0; the last
+                          run may be shorter) that share a slot are scored
+                          together, each key tile read and decoded once for
+                          all of them. A verify step passes 1 + drafts (its
+                          rows are each request's 1 + drafts rows in a row).
+                          Any value returns the same indices and counts; a
+                          value that does not match the layout only costs
+                          time (1: a CTA a row, plain decode)
     returns               (indices, state): indices i32[T, k] of visible
                           entries (i < (t + 1) // 4) in existing blocks, best
                           first, equal scores by ascending index, -1 where
@@ -148,13 +172,18 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
         raise ValueError(f"k: expected an int in [1, {MAX_K}], got {k!r}")
     if q_format not in Q_FORMATS:
         raise ValueError(f"q_format: expected one of {sorted(Q_FORMATS)}, got {q_format!r}")
+    if (isinstance(rows_per_request, bool) or not isinstance(rows_per_request, int)
+            or not 1 <= rows_per_request <= MAX_ROWS_PER_REQUEST):
+        raise ValueError(f"rows_per_request: expected an int in [1, {MAX_ROWS_PER_REQUEST}], "
+                         f"got {rows_per_request!r}")
     weights = weights.astype(jnp.float32)
     if cfg.sharded:
         outs = ("rows", "state") if return_state else "rows"
         return per_shard(indexer_topk, state, outs, layer=layer,
                          rows=dict(token_slot=token_slot, token_pos=token_pos, q=q,
                                    weights=weights),
-                         k=k, q_format=q_format, impl=impl, return_state=return_state)
+                         k=k, q_format=q_format, rows_per_request=rows_per_request, impl=impl,
+                         return_state=return_state)
     layer_idx = layer_operand(cfg, layer, C.CSA)
     target = "dsv4_indexer_topk"
     impl = resolve_impl(impl, target, [state.block_table])
@@ -171,7 +200,8 @@ def indexer_topk(state: CacheState, layer, token_slot: jax.Array, token_pos: jax
              jax.ShapeDtypeStruct((T, E), jnp.uint32),
              jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
              jax.ShapeDtypeStruct(state.errors.shape, _I32)],
-            errors_alias(target, return_state), q_format=Q_FORMATS[q_format])
+            errors_alias(target, return_state), q_format=Q_FORMATS[q_format],
+            rows_per_request=rows_per_request)
     if not return_state:
         return indices
     return indices, dataclasses.replace(state, errors=errors)

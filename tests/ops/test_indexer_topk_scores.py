@@ -11,20 +11,11 @@ import pytest
 from dsv4_jax import _ffi
 
 from support import npq
-from support.indexer import (E2M1, IMPLS, Q_FORMATS, expected, host_keys, make_state,
-                             needs_cpu_target, oracle_f64, queries, replay_f32,
-                             replay_f32_mxfp4, run, visible, with_index_keys,
+from support.indexer import (E2M1, IMPLS, Q_FORMATS, expected, handler_scratch, host_keys,
+                             make_state, needs_cpu_target, np_rank_keys, oracle_f64, queries,
+                             replay_f32, replay_f32_mxfp4, run, visible, with_index_keys,
                              with_random_blocks, workload)
 from support.marks import CUDA, requires_cpu_ffi
-
-
-def np_rank_keys(s):
-    """uint32 rank keys of float32 scores (NaN as -inf, -0 as +0)."""
-    s = np.where(np.isnan(s), np.float32(-np.inf), s).astype(np.float32)
-    s = np.where(s == 0, np.float32(0), s).astype(np.float32)
-    b = s.view(np.uint32)
-    key = np.where(b & 0x80000000, b ^ 0x7FFFFFFF, b)
-    return (key ^ 0x80000000).astype(np.uint32)
 
 
 def test_rank_keys_leave_the_lowest_bins_to_missing_entries():
@@ -97,27 +88,6 @@ def test_reference_scores_bit_exact_mxfp4():
     for h in range(1, 64):
         seq = seq + c[:, h]
     assert np.any(seq.view(np.uint32) != want.view(np.uint32))
-
-
-def handler_scratch(impl, st, slot, pos, q, w, q_format):
-    """The handler's scratch result (rank keys of every entry), poisoned first."""
-    from dsv4_jax.ops.dispatch import ffi_call
-    from dsv4_jax.ops.indexer import QUERY_SCRATCH_BYTES, Q_FORMATS as ATTR
-    T = len(slot)
-    E = st.config.max_blocks_per_request * 32
-    qbytes = QUERY_SCRATCH_BYTES if q_format == "mxfp4" else 0
-
-    def call(st, s, p, q, w):
-        return ffi_call("dsv4_indexer_topk", [jnp.int32(1), s, p, q, w, st.block_table, st.errors,
-                                              st.csa.index.packed, st.csa.index.scale],
-                        [jax.ShapeDtypeStruct((T, 8), jnp.int32),
-                         jax.ShapeDtypeStruct((T, E), jnp.uint32),
-                         jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
-                         jax.ShapeDtypeStruct(st.errors.shape, jnp.int32)], {6: 3},
-                        q_format=ATTR[q_format])
-    args = jax.device_put((st, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q),
-                           jnp.asarray(w)), jax.devices(impl)[0])
-    return np.asarray(jax.jit(call)(*args)[1])
 
 
 def replay_rank_keys(st, slot, pos, q, w, q_format):

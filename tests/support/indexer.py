@@ -1,7 +1,8 @@
 """Helpers of the indexer_topk tests: tiny states holding random MXFP4 index
 keys, queries, the numpy float32 replays of the documented score orders, the
-float64 oracle of the formula, the expected ranking, and the op run under jit
-once per implementation (IMPLS, with the skip marks of the CPU target)."""
+float64 oracle of the formula, the expected ranking, the op run under jit
+once per implementation (IMPLS, with the skip marks of the CPU target), and
+a handler's per-entry rank keys (its scratch result) beside their replay."""
 import dataclasses
 
 import jax
@@ -173,14 +174,48 @@ def expected(st, layer, slot, pos, q, w, k, q_format="bf16"):
     return np.stack(rows), info
 
 
-def run(st, layer, slot, pos, q, w, k, impl, return_state=True, q_format="bf16"):
+def run(st, layer, slot, pos, q, w, k, impl, return_state=True, q_format="bf16",
+        rows_per_request=None):
     """indexer_topk of `layer` under jit with `impl`: the indices (and the
-    state, if return_state). q_format=None leaves it to the op's default."""
-    fmt = {} if q_format is None else {"q_format": q_format}
+    state, if return_state). q_format=None (rows_per_request=None) leaves it
+    to the op's default."""
+    kw = {} if q_format is None else {"q_format": q_format}
+    if rows_per_request is not None:
+        kw["rows_per_request"] = rows_per_request
     f = jax.jit(lambda st, s, p, q, w: D.indexer_topk(st, layer, s, p, q, w, k, impl=impl,
-                                                      return_state=return_state, **fmt))
+                                                      return_state=return_state, **kw))
     return f(st, jnp.asarray(slot, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(q),
              jnp.asarray(w))
+
+
+def np_rank_keys(s):
+    """uint32 rank keys of float32 scores (NaN as -inf, -0 as +0)."""
+    s = np.where(np.isnan(s), np.float32(-np.inf), s).astype(np.float32)
+    s = np.where(s == 0, np.float32(0), s).astype(np.float32)
+    b = s.view(np.uint32)
+    key = np.where(b & 0x80000000, b ^ 0x7FFFFFFF, b)
+    return (key ^ 0x80000000).astype(np.uint32)
+
+
+def handler_scratch(impl, st, slot, pos, q, w, q_format, rows_per_request=1):
+    """The handler's scratch result (rank keys of every entry), poisoned first."""
+    from dsv4_jax.ops.dispatch import ffi_call
+    from dsv4_jax.ops.indexer import QUERY_SCRATCH_BYTES, Q_FORMATS as ATTR
+    T = len(slot)
+    E = st.config.max_blocks_per_request * 32
+    qbytes = QUERY_SCRATCH_BYTES if q_format == "mxfp4" else 0
+
+    def call(st, s, p, q, w):
+        return ffi_call("dsv4_indexer_topk", [jnp.int32(1), s, p, q, w, st.block_table, st.errors,
+                                              st.csa.index.packed, st.csa.index.scale],
+                        [jax.ShapeDtypeStruct((T, 8), jnp.int32),
+                         jax.ShapeDtypeStruct((T, E), jnp.uint32),
+                         jax.ShapeDtypeStruct((T, qbytes), jnp.uint8),
+                         jax.ShapeDtypeStruct(st.errors.shape, jnp.int32)], {6: 3},
+                        q_format=ATTR[q_format], rows_per_request=rows_per_request)
+    args = jax.device_put((st, jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(q),
+                           jnp.asarray(w)), jax.devices(impl)[0])
+    return np.asarray(jax.jit(call)(*args)[1])
 
 
 # the CPU target of this op may be missing from an older build of the module

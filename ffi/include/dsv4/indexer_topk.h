@@ -16,6 +16,11 @@
 
 namespace dsv4 {
 
+// rows_per_request's largest value: the CUDA score kernel keeps that many
+// rounded queries in shared memory beside its key rings (about 18.6 KB a row;
+// 8 of them and the rings fill the 227 KB a CTA may take on sm_90 and sm_100).
+constexpr int64_t kMaxRowsPerRequest = 8;
+
 struct IndexerTopkArgs {
   int64_t T = 0, K = 0, R = 0, MB = 0, L = 0, N = 0, E = 0;  // E = MB * 32
   int64_t q_format = kQueryBf16;
@@ -40,7 +45,7 @@ struct IndexerTopkArgs {
   ARG(ffi::AnyBuffer, errors_in) ARG(ffi::AnyBuffer, csa_index_packed)                      \
   ARG(ffi::AnyBuffer, csa_index_scale) RET(ffi::AnyBuffer, indices)                         \
   RET(ffi::AnyBuffer, scratch) RET(ffi::AnyBuffer, qscratch) RET(ffi::AnyBuffer, errors)    \
-  ATTR(int64_t, q_format)
+  ATTR(int64_t, q_format) ATTR(int64_t, rows_per_request)
 
 inline ffi::Error ValidateIndexerTopk(DSV4_PARAMS(DSV4_INDEXER_TOPK_OPERANDS),
                                       IndexerTopkArgs* out) {
@@ -49,6 +54,11 @@ inline ffi::Error ValidateIndexerTopk(DSV4_PARAMS(DSV4_INDEXER_TOPK_OPERANDS),
     return ffi::Error::InvalidArgument("q_format: expected 0 (bf16) or 1 (mxfp4), got " +
                                        std::to_string(q_format));
   a.q_format = q_format;
+  // a schedule hint of the CUDA score kernel; validated everywhere alike
+  if (rows_per_request < 1 || rows_per_request > kMaxRowsPerRequest)
+    return ffi::Error::InvalidArgument("rows_per_request: expected an int in [1, " +
+                                       std::to_string(kMaxRowsPerRequest) + "], got " +
+                                       std::to_string(rows_per_request));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
   DSV4_RETURN_IF_ERROR(CheckBuffer("token_slot", token_slot, ffi::DataType::S32, {-1}));
   a.T = token_slot.dimensions()[0];
