@@ -28,8 +28,10 @@ layer index, as a model keeps its compile time down; one jit a program, the
 state donated. Times come from the device timeline (span of one call's
 kernels, the median over `--reps` traced calls; dispatch left out), on the
 CPU from the host; on the GPU each row also gives the busy time of each op
-family (`family_us`: `indexer` is indexer_topk's score and select kernels of
-the whole step), printed for the plain and the speculative step.
+family (`family_us`) and indexer_topk's own time (`indexer_span_us`: each
+call's score start to its select's end, summed over the step's CSA layers;
+the family's busy time overstates it, as the overlapped select's CTAs count
+while they wait), printed for the plain and the speculative step.
 """
 from __future__ import annotations
 
@@ -225,7 +227,7 @@ def run_case(args, B, context, drafts):
         rows.append(row)
         span = f", span {row['span_us']:.1f} us" if "span_us" in row else ""
         if "family_us" in row and name in ("plain", "speculative"):
-            span += f", indexer {row['family_us']['indexer']:.1f} us"
+            span += f", indexer {row['indexer_span_us']:.1f} us"
         print(f"B={B} context={context} k={drafts} {name}: host {row['host_ms']:.3f} ms{span}"
               + (" ERROR COUNTS " + str(row["errors"]) if any(row["errors"]) else ""),
               flush=True)
@@ -255,7 +257,7 @@ def run_case(args, B, context, drafts):
     key = "span_us" if "span_us" in by["plain"] else "host_ms"
     ratio = by["speculative"][key] / by["plain"][key]
     per_layer = (by["commit"][key] / L) * (1 if key == "span_us" else 1e3)
-    indexer = ({f"indexer_us_{p}": by[p]["family_us"]["indexer"] for p in ("plain", "speculative")}
+    indexer = ({f"indexer_us_{p}": by[p]["indexer_span_us"] for p in ("plain", "speculative")}
                if "family_us" in by["plain"] else {})
     rows.append(dict(base, program="summary", measure=key, speculative_over_plain=ratio,
                      commit_us_per_layer=per_layer, **indexer,

@@ -162,8 +162,15 @@ def timeline_summary(events, steps, layers):
     family_us = dict.fromkeys(FAMILY_NAMES, 0.0)
     for _, d, raw in events:
         family_us[kernel_family(raw)] += d / 1e3 / steps
+    # indexer_topk's own time: each call's score start to its select's end.
+    # Its busy time (family_us) overstates it: the select is launched
+    # overlapped, and its CTAs count as busy while they wait for the score.
+    scores = [(st, st + d) for st, d, raw in events if "ScoreKernel" in raw]
+    selects = [(st, st + d) for st, d, raw in events if "SelectKernel" in raw]
+    indexer_span = sum(b[1] - a[0] for a, b in zip(scores, selects)) / 1e3 / steps
     n = len(events) / steps
     return {"kernels_per_step": n, "kernels_per_layer": n / layers,
+            "indexer_span_us": indexer_span,
             "cache_kernels_per_layer": (count["cache"] + count["copy"]) / layers,
             "other_kernels_per_layer": count["other"] / layers,
             "copy_kernels_per_step": count["copy"],
