@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "dsv4/attrs.h"
 #include "dsv4/entry_checks.h"
 #include "dsv4/ffi_checks.h"
 #include "dsv4/layout.h"
@@ -118,7 +119,7 @@ struct FlushArgs {
   ARG(ffi::AnyBuffer, index_inv_freq)
 // The attributes every write op binds (append's without max_rows_per_slot).
 #define DSV4_WRITE_ATTRS(ATTR)                                                              \
-  ATTR(int64_t, kv_format) ATTR(int64_t, max_context) ATTR(int64_t, max_rows_per_slot)
+  ATTR(KvFormat, kv_format) ATTR(int64_t, max_context) ATTR(int64_t, max_rows_per_slot)
 // The aliased arguments come as one remaining group (the buffers the results
 // name, then the pool's entry leaves); the results name them.
 #define DSV4_FLUSH_CSA_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
@@ -161,7 +162,7 @@ inline ffi::Error BindCompressorInputs(const std::string& prefix, const std::str
 // The checks common to both kinds: attributes, layer, token rows (T: the
 // rows of the projections `kv`, checked in full by BindCompressorInputs),
 // block table.
-inline ffi::Error BindFlushCommon(int64_t kv_format, int64_t max_context,
+inline ffi::Error BindFlushCommon(KvFormat kv_format, int64_t max_context,
                                   int64_t max_rows_per_slot, ffi::AnyBuffer layer,
                                   ffi::AnyBuffer meta, const std::string& kv_name,
                                   ffi::AnyBuffer kv, ffi::AnyBuffer block_table, FlushArgs* a) {
@@ -194,7 +195,7 @@ inline ffi::Error CheckAliasedCounts(const char* what, size_t args, size_t rets)
 }
 
 inline ffi::Error ValidateFlushCsa(
-    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot, ffi::AnyBuffer layer,
+    KvFormat kv_format, int64_t max_context, int64_t max_rows_per_slot, ffi::AnyBuffer layer,
     ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
     ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
     ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
@@ -234,7 +235,7 @@ inline ffi::Error ValidateFlushCsa(
   return ffi::Error::Success();
 }
 
-inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
+inline ffi::Error ValidateFlushHca(KvFormat kv_format, int64_t max_context,
                                    int64_t max_rows_per_slot, ffi::AnyBuffer layer,
                                    ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score,
                                    ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,

@@ -44,7 +44,7 @@ struct FlushAliased {
 // leaves, then flush's `flush_fixed` buffers (errors last) and its pool's
 // entry leaves, as many as the window's (one kv_format). Counts them, checks
 // the append part (into out->append) and returns flush's part.
-inline ffi::Error ValidateWriteLayerWindow(const std::string& what, int64_t kv_format,
+inline ffi::Error ValidateWriteLayerWindow(const std::string& what, KvFormat kv_format,
                                            int64_t max_context, ffi::AnyBuffer window_layer,
                                            ffi::AnyBuffer meta, ffi::AnyBuffer kv,
                                            size_t flush_fixed,
