@@ -27,7 +27,7 @@ struct AppendArgs {
 };
 
 // The handlers' operands (dsv4/operands.h).
-#define DSV4_APPEND_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                    \
+#define DSV4_APPEND_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                             \
   ATTR(KvFormat, kv_format) ATTR(int64_t, max_context) ARG(ffi::AnyBuffer, layer)           \
   ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv) ARG(ffi::AnyBuffer, swa_pos_in)         \
   ARG(ffi::AnyBuffer, errors_in) ARGS(swa_kv_in) RET(ffi::AnyBuffer, swa_pos)               \

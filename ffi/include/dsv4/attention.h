@@ -62,7 +62,7 @@ inline bool AttnBindChunkScratch(AttentionArgs* a) {
 
 // The handlers' operands (dsv4/operands.h): the remaining arguments are
 // swa.kv's entry leaves, then the pool's (none for SWA).
-#define DSV4_ATTENTION_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
+#define DSV4_ATTENTION_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                          \
   ATTR(KvFormat, kv_format) ATTR(int64_t, kind) ATTR(int64_t, kernel)                       \
   ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, comp_layer) ARG(ffi::AnyBuffer, q)         \
   ARG(ffi::AnyBuffer, token_slot) ARG(ffi::AnyBuffer, token_pos) ARG(ffi::AnyBuffer, topk)  \

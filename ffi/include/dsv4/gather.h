@@ -31,7 +31,7 @@ struct GatherWindowArgs {
 };
 
 // The handlers' operands (dsv4/operands.h).
-#define DSV4_GATHER_WINDOW_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                             \
+#define DSV4_GATHER_WINDOW_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                      \
   ATTR(KvFormat, kv_format) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, slots)           \
   ARG(ffi::AnyBuffer, swa_pos) ARG(ffi::AnyBuffer, errors_in) ARGS(swa_kv)                  \
   RET(ffi::AnyBuffer, kv) RET(ffi::AnyBuffer, pos) RET(ffi::AnyBuffer, errors)
@@ -97,7 +97,7 @@ struct GatherTopkArgs {
 };
 
 // The handlers' operands (dsv4/operands.h).
-#define DSV4_GATHER_TOPK_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                               \
+#define DSV4_GATHER_TOPK_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                        \
   ATTR(KvFormat, kv_format) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, token_slot)      \
   ARG(ffi::AnyBuffer, token_pos) ARG(ffi::AnyBuffer, indices) ARG(ffi::AnyBuffer, block_table) \
   ARG(ffi::AnyBuffer, errors_in) ARGS(csa_kv) RET(ffi::AnyBuffer, kv)                       \
@@ -143,7 +143,7 @@ struct GatherAllArgs {
 };
 
 // The handlers' operands (dsv4/operands.h).
-#define DSV4_GATHER_ALL_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                \
+#define DSV4_GATHER_ALL_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                         \
   ATTR(KvFormat, kv_format) ATTR(int64_t, max_context) ARG(ffi::AnyBuffer, layer)           \
   ARG(ffi::AnyBuffer, slots) ARG(ffi::AnyBuffer, lengths) ARG(ffi::AnyBuffer, block_table)  \
   ARG(ffi::AnyBuffer, errors_in) ARGS(hca_kv) RET(ffi::AnyBuffer, kv)                       \
