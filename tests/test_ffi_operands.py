@@ -14,6 +14,8 @@ How the documented block is read:
     begin; `rets  the aliased buffers, same order.` means those operands;
   - names: dots as underscores (the state leaf swa.pos is swa_pos).
 How the bound list is read:
+  - attributes bound as one struct (ATTRS, ffi/include/dsv4/attrs.h) come as
+    its members, each an attribute, in the struct's order;
   - an argument updated in place is bound as `<name>_in`: compared as <name>;
   - the remaining arguments or results (ARGS/RETS) named G stand for the
     documented operands after the fixed ones: every one named G or G_<leaf>

@@ -2,7 +2,7 @@
 (docs/design/semantics.md, docs/design/operations.md).
 
 FFI target "dsv4_append" (operands in this order):
-  attrs  kv_format (KV_FORMAT_CODE), max_context (= MB * 128)
+  attrs  kv_format (KV_FORMAT_CODE, the enum KvFormat), max_context (= MB * 128)
   args   layer i32[] (global index, -1 = bad), meta i32[P >= 2T] (meta.token_fields:
          token_slot, then token_pos, then what the handler ignores),
          kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[9] (54 with detail),

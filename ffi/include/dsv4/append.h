@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "dsv4/attrs.h"
 #include "dsv4/entry_checks.h"
 #include "dsv4/ffi_checks.h"
 #include "dsv4/layout.h"
@@ -26,15 +27,15 @@ struct AppendArgs {
 };
 
 // The handlers' operands (dsv4/operands.h).
-#define DSV4_APPEND_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                    \
-  ATTR(int64_t, kv_format) ATTR(int64_t, max_context) ARG(ffi::AnyBuffer, layer)            \
+#define DSV4_APPEND_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                             \
+  ATTR(KvFormat, kv_format) ATTR(int64_t, max_context) ARG(ffi::AnyBuffer, layer)           \
   ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv) ARG(ffi::AnyBuffer, swa_pos_in)         \
   ARG(ffi::AnyBuffer, errors_in) ARGS(swa_kv_in) RET(ffi::AnyBuffer, swa_pos)               \
   RET(ffi::AnyBuffer, errors) RETS(swa_kv)
 
 // `num_entry_args`: how many entry leaves came as inputs; `leaves`: the
 // entry results (aliased to them), which the handler writes.
-inline ffi::Error ValidateAppend(int64_t kv_format, int64_t max_context, ffi::AnyBuffer layer,
+inline ffi::Error ValidateAppend(KvFormat kv_format, int64_t max_context, ffi::AnyBuffer layer,
                                  ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
                                  ffi::AnyBuffer errors_in, size_t num_entry_args,
                                  ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors,

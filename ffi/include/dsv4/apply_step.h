@@ -34,7 +34,7 @@ using S32Rank1 = ffi::Buffer<ffi::S32, 1>;
 using S32Rank2 = ffi::Buffer<ffi::S32, 2>;
 using S32Rank3 = ffi::Buffer<ffi::S32, 3>;
 using F32Buffer = ffi::Buffer<ffi::F32>;
-#define DSV4_APPLY_STEP_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                \
+#define DSV4_APPLY_STEP_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                         \
   ATTR(int64_t, num_blocks) ARG(S32Rank2, new_blocks) ARG(S32Rank1, reset_slots)            \
   ARG(S32Rank2, block_table_in) ARG(S32Rank3, swa_pos_in) ARG(F32Buffer, csa_comp_in)       \
   ARG(F32Buffer, csa_icomp_in) ARG(F32Buffer, hca_comp_in) ARG(S32Rank1, errors_in)         \

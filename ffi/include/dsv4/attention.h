@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dsv4/attention_rules.h"
+#include "dsv4/attrs.h"
 #include "dsv4/entry_checks.h"
 #include "dsv4/ffi_checks.h"
 #include "dsv4/layout.h"
@@ -61,8 +62,8 @@ inline bool AttnBindChunkScratch(AttentionArgs* a) {
 
 // The handlers' operands (dsv4/operands.h): the remaining arguments are
 // swa.kv's entry leaves, then the pool's (none for SWA).
-#define DSV4_ATTENTION_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
-  ATTR(int64_t, kv_format) ATTR(int64_t, kind) ATTR(int64_t, kernel)                        \
+#define DSV4_ATTENTION_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                          \
+  ATTR(KvFormat, kv_format) ATTR(int64_t, kind) ATTR(int64_t, kernel)                       \
   ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, comp_layer) ARG(ffi::AnyBuffer, q)         \
   ARG(ffi::AnyBuffer, token_slot) ARG(ffi::AnyBuffer, token_pos) ARG(ffi::AnyBuffer, topk)  \
   ARG(ffi::AnyBuffer, chunk_kv) ARG(ffi::AnyBuffer, sink) ARG(ffi::AnyBuffer, inv_freq)     \

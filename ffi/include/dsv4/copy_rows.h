@@ -57,7 +57,7 @@ inline int64_t SegmentVectors(const RowSegment& s) {
 // The handlers' operands (dsv4/operands.h), one list for both targets: take's
 // leaves are the leaves and its results their flat rows; put's leaves are the
 // leaves then their flat rows, its results the leaves (aliased).
-#define DSV4_COPY_ROWS_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
+#define DSV4_COPY_ROWS_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                          \
   ATTR(ffi::Span<const int64_t>, row_axes) ATTR(ffi::Span<const int64_t>, id_starts)        \
   ARG(ffi::AnyBuffer, ids) ARGS(leaves) RETS(results)
 

@@ -11,7 +11,7 @@
 
 namespace dsv4 {
 
-inline ffi::Error CheckKvFormat(int64_t fmt) {
+inline ffi::Error CheckKvFormat(KvFormat fmt) {
   if (fmt == kDsFp8 || fmt == kFp8Token || fmt == kBf16) return ffi::Error::Success();
   return ffi::Error::InvalidArgument("kv_format: expected 0 (ds_fp8), 1 (fp8_token) or 2 (bf16), got " +
                                      std::to_string(fmt));
@@ -24,7 +24,7 @@ inline ffi::Error CheckMaxContext(int64_t max_context) {
                                      std::to_string(max_context));
 }
 
-inline size_t EntryLeafCount(int64_t fmt) { return fmt == kBf16 ? 2 : 3; }
+inline size_t EntryLeafCount(KvFormat fmt) { return fmt == kBf16 ? 2 : 3; }
 
 inline ffi::Error CollectLeaves(const ffi::RemainingArgs& args, std::vector<ffi::AnyBuffer>* out) {
   for (size_t i = 0; i < args.size(); ++i) {
@@ -46,7 +46,7 @@ inline ffi::Error CollectLeaves(const ffi::RemainingRets& rets, std::vector<ffi:
 
 // `lead` are the expected leading dims (-1 = any); on success `lead` holds the
 // actual ones and `pool` the base pointers.
-inline ffi::Error BindEntryLeaves(const std::string& name, int64_t fmt,
+inline ffi::Error BindEntryLeaves(const std::string& name, KvFormat fmt,
                                   const std::vector<ffi::AnyBuffer>& leaves,
                                   std::vector<int64_t>* lead, EntryPool* pool) {
   DSV4_RETURN_IF_ERROR(CheckKvFormat(fmt));

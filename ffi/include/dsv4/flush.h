@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "dsv4/attrs.h"
 #include "dsv4/entry_checks.h"
 #include "dsv4/ffi_checks.h"
 #include "dsv4/layout.h"
@@ -116,19 +117,17 @@ struct FlushArgs {
   ARG(ffi::AnyBuffer, index_kv) ARG(ffi::AnyBuffer, index_score)                            \
   ARG(ffi::AnyBuffer, index_ape) ARG(ffi::AnyBuffer, index_norm)                            \
   ARG(ffi::AnyBuffer, index_inv_freq)
-// The attributes every write op binds (append's without max_rows_per_slot).
-#define DSV4_WRITE_ATTRS(ATTR)                                                              \
-  ATTR(int64_t, kv_format) ATTR(int64_t, max_context) ATTR(int64_t, max_rows_per_slot)
-// The aliased arguments come as one remaining group (the buffers the results
-// name, then the pool's entry leaves); the results name them.
-#define DSV4_FLUSH_CSA_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
-  DSV4_WRITE_ATTRS(ATTR) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta)              \
+// The attributes are one struct (dsv4/attrs.h); the aliased arguments come as
+// one remaining group (the buffers the results name, then the pool's entry
+// leaves); the results name them.
+#define DSV4_FLUSH_CSA_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                          \
+  ATTRS(FlushAttrs, DSV4_FLUSH_ATTRS) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) \
   DSV4_COMPRESSOR_OPERANDS(ARG, kv, score) DSV4_INDEX_COMPRESSOR_OPERANDS(ARG)             \
   ARG(ffi::AnyBuffer, block_table) ARGS(aliased_in) RET(ffi::AnyBuffer, csa_comp)          \
   RET(ffi::AnyBuffer, csa_icomp) RET(ffi::AnyBuffer, csa_index_packed)                     \
   RET(ffi::AnyBuffer, csa_index_scale) RET(ffi::AnyBuffer, errors) RETS(csa_kv)
-#define DSV4_FLUSH_HCA_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                 \
-  DSV4_WRITE_ATTRS(ATTR) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta)              \
+#define DSV4_FLUSH_HCA_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                          \
+  ATTRS(FlushAttrs, DSV4_FLUSH_ATTRS) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) \
   DSV4_COMPRESSOR_OPERANDS(ARG, kv, score) ARG(ffi::AnyBuffer, block_table)                \
   ARGS(aliased_in) RET(ffi::AnyBuffer, hca_comp) RET(ffi::AnyBuffer, errors) RETS(hca_kv)
 
@@ -161,15 +160,14 @@ inline ffi::Error BindCompressorInputs(const std::string& prefix, const std::str
 // The checks common to both kinds: attributes, layer, token rows (T: the
 // rows of the projections `kv`, checked in full by BindCompressorInputs),
 // block table.
-inline ffi::Error BindFlushCommon(int64_t kv_format, int64_t max_context,
-                                  int64_t max_rows_per_slot, ffi::AnyBuffer layer,
+inline ffi::Error BindFlushCommon(const FlushAttrs& attrs, ffi::AnyBuffer layer,
                                   ffi::AnyBuffer meta, const std::string& kv_name,
                                   ffi::AnyBuffer kv, ffi::AnyBuffer block_table, FlushArgs* a) {
-  DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
-  DSV4_RETURN_IF_ERROR(CheckMaxContext(max_context));
-  if (max_rows_per_slot < 0)
+  DSV4_RETURN_IF_ERROR(CheckKvFormat(attrs.kv_format));
+  DSV4_RETURN_IF_ERROR(CheckMaxContext(attrs.max_context));
+  if (attrs.max_rows_per_slot < 0)
     return ffi::Error::InvalidArgument("max_rows_per_slot: expected >= 0 (0: no bound), got " +
-                                       std::to_string(max_rows_per_slot));
+                                       std::to_string(attrs.max_rows_per_slot));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
   DSV4_RETURN_IF_ERROR(CheckBuffer(kv_name.c_str(), kv, ffi::DataType::F32, {-1, -1}));
   a->T = kv.dimensions()[0];
@@ -177,8 +175,8 @@ inline ffi::Error BindFlushCommon(int64_t kv_format, int64_t max_context,
   DSV4_RETURN_IF_ERROR(CheckBuffer("block_table", block_table, ffi::DataType::S32, {-1, -1}));
   a->R = block_table.dimensions()[0];
   a->MB = block_table.dimensions()[1];
-  a->max_context = max_context;
-  a->max_rows_per_slot = max_rows_per_slot;
+  a->max_context = attrs.max_context;
+  a->max_rows_per_slot = attrs.max_rows_per_slot;
   a->layer = static_cast<const int32_t*>(layer.untyped_data());
   a->block_table = static_cast<const int32_t*>(block_table.untyped_data());
   return ffi::Error::Success();
@@ -194,19 +192,18 @@ inline ffi::Error CheckAliasedCounts(const char* what, size_t args, size_t rets)
 }
 
 inline ffi::Error ValidateFlushCsa(
-    int64_t kv_format, int64_t max_context, int64_t max_rows_per_slot, ffi::AnyBuffer layer,
-    ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score, ffi::AnyBuffer ape,
-    ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq, ffi::AnyBuffer index_kv,
-    ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape, ffi::AnyBuffer index_norm,
-    ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table, size_t num_aliased_args,
+    const FlushAttrs& attrs, ffi::AnyBuffer layer, ffi::AnyBuffer meta, ffi::AnyBuffer kv,
+    ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
+    ffi::AnyBuffer index_kv, ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape,
+    ffi::AnyBuffer index_norm, ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table,
+    size_t num_aliased_args,
     ffi::AnyBuffer comp, ffi::AnyBuffer icomp, ffi::AnyBuffer packed, ffi::AnyBuffer iscale,
     ffi::AnyBuffer errors, const std::vector<ffi::AnyBuffer>& leaves, FlushArgs* out,
     const std::string& kv_prefix = "") {
   FlushArgs a;
   a.csa = true;
   DSV4_RETURN_IF_ERROR(
-      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, meta, kv_prefix + "kv",
-                      kv, block_table, &a));
+      BindFlushCommon(attrs, layer, meta, kv_prefix + "kv", kv, block_table, &a));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 2, kCsaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs("index_", "params.index.", a.T, kIndexDim, 2,
@@ -225,7 +222,7 @@ inline ffi::Error ValidateFlushCsa(
                                    {a.L, a.N, a.per_block, kIndexScales}));
   DSV4_RETURN_IF_ERROR(BindErrors(errors, errors, &a.errors));
   std::vector<int64_t> lead = {a.L, a.N, a.per_block};
-  DSV4_RETURN_IF_ERROR(BindEntryLeaves("csa.kv", kv_format, leaves, &lead, &a.pool));
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves("csa.kv", attrs.kv_format, leaves, &lead, &a.pool));
   a.main.comp = static_cast<float*>(comp.untyped_data());
   a.index.comp = static_cast<float*>(icomp.untyped_data());
   a.index_packed = static_cast<uint8_t*>(packed.untyped_data());
@@ -234,8 +231,7 @@ inline ffi::Error ValidateFlushCsa(
   return ffi::Error::Success();
 }
 
-inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
-                                   int64_t max_rows_per_slot, ffi::AnyBuffer layer,
+inline ffi::Error ValidateFlushHca(const FlushAttrs& attrs, ffi::AnyBuffer layer,
                                    ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score,
                                    ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
                                    ffi::AnyBuffer block_table, size_t num_aliased_args,
@@ -245,8 +241,7 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
   FlushArgs a;
   a.csa = false;
   DSV4_RETURN_IF_ERROR(
-      BindFlushCommon(kv_format, max_context, max_rows_per_slot, layer, meta, kv_prefix + "kv",
-                      kv, block_table, &a));
+      BindFlushCommon(attrs, layer, meta, kv_prefix + "kv", kv, block_table, &a));
   DSV4_RETURN_IF_ERROR(BindCompressorInputs(kv_prefix, "params.", a.T, kHeadDim, 1, kHcaRatio, kv, score,
                                             ape, norm, inv_freq, &a.main));
   DSV4_RETURN_IF_ERROR(CheckAliasedCounts("flush_hca", num_aliased_args, 2 + leaves.size()));
@@ -255,7 +250,7 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
   DSV4_RETURN_IF_ERROR(BindErrors(errors, errors, &a.errors));
   a.per_block = kBlockTokens / kHcaRatio;
   std::vector<int64_t> lead = {a.L, -1, a.per_block};
-  DSV4_RETURN_IF_ERROR(BindEntryLeaves("hca.kv", kv_format, leaves, &lead, &a.pool));
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves("hca.kv", attrs.kv_format, leaves, &lead, &a.pool));
   a.N = lead[1];
   a.main.comp = static_cast<float*>(comp.untyped_data());
   *out = a;
@@ -266,18 +261,17 @@ inline ffi::Error ValidateFlushHca(int64_t kv_format, int64_t max_context,
 inline ffi::Error ValidateFlushCsa(DSV4_PARAMS(DSV4_FLUSH_CSA_OPERANDS), FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(csa_kv, &leaves));
-  return ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, meta, kv, score,
-                          ape, norm, inv_freq, index_kv, index_score, index_ape, index_norm,
-                          index_inv_freq, block_table, aliased_in.size(), *csa_comp,
-                          *csa_icomp, *csa_index_packed, *csa_index_scale, *errors, leaves, out);
+  return ValidateFlushCsa(attrs, layer, meta, kv, score, ape, norm, inv_freq, index_kv,
+                          index_score, index_ape, index_norm, index_inv_freq, block_table,
+                          aliased_in.size(), *csa_comp, *csa_icomp, *csa_index_packed,
+                          *csa_index_scale, *errors, leaves, out);
 }
 
 inline ffi::Error ValidateFlushHca(DSV4_PARAMS(DSV4_FLUSH_HCA_OPERANDS), FlushArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(hca_kv, &leaves));
-  return ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, meta, kv, score,
-                          ape, norm, inv_freq, block_table, aliased_in.size(), *hca_comp,
-                          *errors, leaves, out);
+  return ValidateFlushHca(attrs, layer, meta, kv, score, ape, norm, inv_freq, block_table,
+                          aliased_in.size(), *hca_comp, *errors, leaves, out);
 }
 
 }  // namespace dsv4

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "dsv4/attrs.h"
 #include "dsv4/entry_checks.h"
 #include "dsv4/ffi_checks.h"
 #include "dsv4/indexer.h"
@@ -30,14 +31,14 @@ struct GatherWindowArgs {
 };
 
 // The handlers' operands (dsv4/operands.h).
-#define DSV4_GATHER_WINDOW_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                             \
-  ATTR(int64_t, kv_format) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, slots)            \
+#define DSV4_GATHER_WINDOW_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                      \
+  ATTR(KvFormat, kv_format) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, slots)           \
   ARG(ffi::AnyBuffer, swa_pos) ARG(ffi::AnyBuffer, errors_in) ARGS(swa_kv)                  \
   RET(ffi::AnyBuffer, kv) RET(ffi::AnyBuffer, pos) RET(ffi::AnyBuffer, errors)
 
 // The operands the paged gathers (top-k, all) share: block_table s32[R, MB],
 // errors in and out, and the pool's entry leaves [L, N, per_block, ...].
-inline ffi::Error BindPagedPool(const char* pool_name, int64_t kv_format, int64_t per_block,
+inline ffi::Error BindPagedPool(const char* pool_name, KvFormat kv_format, int64_t per_block,
                                 const ffi::AnyBuffer& block_table, const ffi::AnyBuffer& errors_in,
                                 const ffi::AnyBuffer& errors, const ffi::RemainingArgs& entry_args,
                                 ErrorCounts* errors_out,
@@ -96,8 +97,8 @@ struct GatherTopkArgs {
 };
 
 // The handlers' operands (dsv4/operands.h).
-#define DSV4_GATHER_TOPK_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                               \
-  ATTR(int64_t, kv_format) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, token_slot)       \
+#define DSV4_GATHER_TOPK_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                        \
+  ATTR(KvFormat, kv_format) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, token_slot)      \
   ARG(ffi::AnyBuffer, token_pos) ARG(ffi::AnyBuffer, indices) ARG(ffi::AnyBuffer, block_table) \
   ARG(ffi::AnyBuffer, errors_in) ARGS(csa_kv) RET(ffi::AnyBuffer, kv)                       \
   RET(ffi::AnyBuffer, valid) RET(ffi::AnyBuffer, errors)
@@ -142,8 +143,8 @@ struct GatherAllArgs {
 };
 
 // The handlers' operands (dsv4/operands.h).
-#define DSV4_GATHER_ALL_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                                \
-  ATTR(int64_t, kv_format) ATTR(int64_t, max_context) ARG(ffi::AnyBuffer, layer)            \
+#define DSV4_GATHER_ALL_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                         \
+  ATTR(KvFormat, kv_format) ATTR(int64_t, max_context) ARG(ffi::AnyBuffer, layer)           \
   ARG(ffi::AnyBuffer, slots) ARG(ffi::AnyBuffer, lengths) ARG(ffi::AnyBuffer, block_table)  \
   ARG(ffi::AnyBuffer, errors_in) ARGS(hca_kv) RET(ffi::AnyBuffer, kv)                       \
   RET(ffi::AnyBuffer, count) RET(ffi::AnyBuffer, errors)

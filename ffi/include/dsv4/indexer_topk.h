@@ -39,7 +39,7 @@ struct IndexerTopkArgs {
 };
 
 // The handlers' operands (dsv4/operands.h).
-#define DSV4_INDEXER_TOPK_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                              \
+#define DSV4_INDEXER_TOPK_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                       \
   ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, token_slot) ARG(ffi::AnyBuffer, token_pos) \
   ARG(ffi::AnyBuffer, q) ARG(ffi::AnyBuffer, weights) ARG(ffi::AnyBuffer, block_table)      \
   ARG(ffi::AnyBuffer, errors_in) ARG(ffi::AnyBuffer, csa_index_packed)                      \

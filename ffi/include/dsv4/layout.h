@@ -35,8 +35,10 @@ constexpr int kAccMax = 0, kAccSum = 1, kAccKv = 2;
 // (1.0 in e8m0; 0x00 would be 2^-127 and 0xFF is NaN).
 constexpr uint8_t kBlankScaleE8m0 = 0x7F;
 
-// kv_format attribute of the handlers (dsv4_jax/config.py KV_FORMAT_CODE).
-enum KvFormat : int { kDsFp8 = 0, kFp8Token = 1, kBf16 = 2 };
+// kv_format attribute of the handlers (dsv4_jax/config.py KV_FORMAT_CODE),
+// decoded as this enum (dsv4/attrs.h): int64_t, the type of the scalar a
+// Python int becomes.
+enum KvFormat : int64_t { kDsFp8 = 0, kFp8Token = 1, kBf16 = 2 };
 
 // Counters of dropped bad input, the index into state.errors.
 enum ErrorKind : int {

@@ -21,16 +21,17 @@ struct WriteLayerArgs {
   FlushArgs flush;
 };
 
-// The handlers' operands (dsv4/operands.h): append's and flush's, the
-// aliased buffers as one remaining group.
-#define DSV4_WRITE_LAYER_CSA_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                           \
-  DSV4_WRITE_ATTRS(ATTR) ARG(ffi::AnyBuffer, window_layer) ARG(ffi::AnyBuffer, layer)      \
-  ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv)                                         \
+// The handlers' operands (dsv4/operands.h): append's and flush's, flush's
+// attribute struct (append's attributes are two of its members), the aliased
+// buffers as one remaining group.
+#define DSV4_WRITE_LAYER_CSA_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                    \
+  ATTRS(FlushAttrs, DSV4_FLUSH_ATTRS) ARG(ffi::AnyBuffer, window_layer)                    \
+  ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv)              \
   DSV4_COMPRESSOR_OPERANDS(ARG, comp_kv, comp_score) DSV4_INDEX_COMPRESSOR_OPERANDS(ARG)   \
   ARG(ffi::AnyBuffer, block_table) ARGS(aliased_in) RETS(aliased)
-#define DSV4_WRITE_LAYER_HCA_OPERANDS(ATTR, ARG, ARGS, RET, RETS)                           \
-  DSV4_WRITE_ATTRS(ATTR) ARG(ffi::AnyBuffer, window_layer) ARG(ffi::AnyBuffer, layer)      \
-  ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv)                                         \
+#define DSV4_WRITE_LAYER_HCA_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                    \
+  ATTRS(FlushAttrs, DSV4_FLUSH_ATTRS) ARG(ffi::AnyBuffer, window_layer)                    \
+  ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv)              \
   DSV4_COMPRESSOR_OPERANDS(ARG, comp_kv, comp_score) ARG(ffi::AnyBuffer, block_table)      \
   ARGS(aliased_in) RETS(aliased)
 
@@ -44,21 +45,20 @@ struct FlushAliased {
 // leaves, then flush's `flush_fixed` buffers (errors last) and its pool's
 // entry leaves, as many as the window's (one kv_format). Counts them, checks
 // the append part (into out->append) and returns flush's part.
-inline ffi::Error ValidateWriteLayerWindow(const std::string& what, int64_t kv_format,
-                                           int64_t max_context, ffi::AnyBuffer window_layer,
-                                           ffi::AnyBuffer meta, ffi::AnyBuffer kv,
-                                           size_t flush_fixed,
+inline ffi::Error ValidateWriteLayerWindow(const std::string& what, const FlushAttrs& attrs,
+                                           ffi::AnyBuffer window_layer, ffi::AnyBuffer meta,
+                                           ffi::AnyBuffer kv, size_t flush_fixed,
                                            const ffi::RemainingArgs& args,
                                            const ffi::RemainingRets& rets, WriteLayerArgs* out,
                                            FlushAliased* flush) {
-  DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
-  const size_t n = EntryLeafCount(kv_format);
+  DSV4_RETURN_IF_ERROR(CheckKvFormat(attrs.kv_format));
+  const size_t n = EntryLeafCount(attrs.kv_format);
   const size_t want = 1 + n + flush_fixed + n;
   if (args.size() != want || rets.size() != want)
     return ffi::Error::InvalidArgument(
         what + ": expected " + std::to_string(want) + " aliased buffers for kv_format " +
-        std::to_string(kv_format) + " (swa.pos, " + std::to_string(n) + " swa.kv leaves, " +
-        std::to_string(flush_fixed) + " of flush's, " + std::to_string(n) +
+        std::to_string(attrs.kv_format) + " (swa.pos, " + std::to_string(n) +
+        " swa.kv leaves, " + std::to_string(flush_fixed) + " of flush's, " + std::to_string(n) +
         " pool leaves), got " + std::to_string(args.size()) + " inputs and " +
         std::to_string(rets.size()) + " results");
   std::vector<ffi::AnyBuffer> ins, outs;
@@ -70,8 +70,8 @@ inline ffi::Error ValidateWriteLayerWindow(const std::string& what, int64_t kv_f
   };
   flush->fixed = part(f, flush_fixed);
   flush->leaves = part(f + flush_fixed, n);
-  return ValidateAppend(kv_format, max_context, window_layer, meta, kv, ins[0], ins[err], n,
-                        outs[0], outs[err], part(1, n), &out->append);
+  return ValidateAppend(attrs.kv_format, attrs.max_context, window_layer, meta, kv, ins[0],
+                        ins[err], n, outs[0], outs[err], part(1, n), &out->append);
 }
 
 // Append's T is the rows of kv and flush's those of comp_kv: one step's
@@ -85,28 +85,24 @@ inline ffi::Error CheckSameRows(const WriteLayerArgs& a) {
 inline ffi::Error ValidateWriteLayerCsa(DSV4_PARAMS(DSV4_WRITE_LAYER_CSA_OPERANDS),
                                         WriteLayerArgs* out) {
   FlushAliased fa;  // comp, icomp, index.packed, index.scale, errors
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_csa", kv_format, max_context,
-                                                window_layer, meta, kv, 5, aliased_in, aliased, out,
-                                                &fa));
-  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(kv_format, max_context, max_rows_per_slot, layer, meta,
-                                        comp_kv, comp_score, ape, norm, inv_freq, index_kv,
-                                        index_score, index_ape, index_norm, index_inv_freq,
-                                        block_table, 5 + fa.leaves.size(), fa.fixed[0],
-                                        fa.fixed[1], fa.fixed[2], fa.fixed[3], fa.fixed[4],
-                                        fa.leaves, &out->flush, "comp_"));
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_csa", attrs, window_layer, meta,
+                                                kv, 5, aliased_in, aliased, out, &fa));
+  DSV4_RETURN_IF_ERROR(ValidateFlushCsa(attrs, layer, meta, comp_kv, comp_score, ape, norm,
+                                        inv_freq, index_kv, index_score, index_ape, index_norm,
+                                        index_inv_freq, block_table, 5 + fa.leaves.size(),
+                                        fa.fixed[0], fa.fixed[1], fa.fixed[2], fa.fixed[3],
+                                        fa.fixed[4], fa.leaves, &out->flush, "comp_"));
   return CheckSameRows(*out);
 }
 
 inline ffi::Error ValidateWriteLayerHca(DSV4_PARAMS(DSV4_WRITE_LAYER_HCA_OPERANDS),
                                         WriteLayerArgs* out) {
   FlushAliased fa;  // comp, errors
-  DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_hca", kv_format, max_context,
-                                                window_layer, meta, kv, 2, aliased_in, aliased, out,
-                                                &fa));
-  DSV4_RETURN_IF_ERROR(ValidateFlushHca(kv_format, max_context, max_rows_per_slot, layer, meta,
-                                        comp_kv, comp_score, ape, norm, inv_freq, block_table,
-                                        2 + fa.leaves.size(), fa.fixed[0], fa.fixed[1], fa.leaves,
-                                        &out->flush, "comp_"));
+  DSV4_RETURN_IF_ERROR(ValidateWriteLayerWindow("write_layer_hca", attrs, window_layer, meta,
+                                                kv, 2, aliased_in, aliased, out, &fa));
+  DSV4_RETURN_IF_ERROR(ValidateFlushHca(attrs, layer, meta, comp_kv, comp_score, ape, norm,
+                                        inv_freq, block_table, 2 + fa.leaves.size(), fa.fixed[0],
+                                        fa.fixed[1], fa.leaves, &out->flush, "comp_"));
   return CheckSameRows(*out);
 }
 
