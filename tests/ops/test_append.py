@@ -150,8 +150,8 @@ def test_append_bad_operands(st, case, pattern):
 @cpu_module
 @pytest.mark.parametrize("change, pattern", write_attrs.BAD)
 def test_append_bad_attributes_rejected(st, change, pattern):
-    """Append's attributes are flush's struct, checked by the same code
-    (test_flush.py takes the same cases)."""
+    """Append's attributes are the write ops' one struct (WriteAttrs),
+    checked by flush's code (test_flush.py takes the same cases)."""
     with pytest.raises(Exception, match=pattern):
         jax.block_until_ready(append_call(st, **change))
 
