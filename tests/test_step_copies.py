@@ -68,7 +68,7 @@ def test_rule_sees_a_sliced_operand():
         return ffi_in_place("dsv4_append", [jnp.int32(0), rows, kv.T],
                             [st.swa.pos, st.errors, *jax.tree_util.tree_leaves(st.swa.kv)],
                             kv_format=C.KV_FORMAT_CODE[cfg.kv_format],
-                            max_context=cfg.max_context)
+                            max_context=cfg.max_context, max_rows_per_slot=0)
 
     def hlo(sliced):
         f = jax.jit(lambda st, d, k: append(st, d, k, sliced), donate_argnums=0)

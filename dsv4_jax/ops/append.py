@@ -1,8 +1,12 @@
 """append: new tokens' KV into the sliding window of a layer
 (docs/design/semantics.md, docs/design/operations.md).
 
-FFI target "dsv4_append" (operands in this order):
-  attrs  kv_format (KV_FORMAT_CODE, the enum KvFormat), max_context (= MB * 128)
+FFI target "dsv4_append" (operands in this order; the attributes are every
+write op's struct, WriteAttrs in ffi/include/dsv4/attrs.h: exactly these
+three, Python ints, each checked as flush checks it):
+  attrs  kv_format (KV_FORMAT_CODE, the enum KvFormat), max_context (= MB * 128),
+         max_rows_per_slot (StepMeta.max_rows_per_slot; append's kernels
+         ignore it)
   args   layer i32[] (global index, -1 = bad), meta i32[P >= 2T] (meta.token_fields:
          token_slot, then token_pos, then what the handler ignores),
          kv bf16[T, 512], then the aliased: swa.pos i32[L, R, 128], errors i32[9] (54 with detail),
@@ -86,5 +90,6 @@ def append(state: CacheState, layer, meta: StepMeta, kv: jax.Array, *,
     window, rebuild = append_ffi_operands(state)
     pos, errors, *entries = ffi_in_place(
         TARGET, [layer_idx, meta.token_fields, kv], [window[0], state.errors, *window[1:]],
-        kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context)
+        kv_format=C.KV_FORMAT_CODE[cfg.kv_format], max_context=cfg.max_context,
+        max_rows_per_slot=meta.max_rows_per_slot)
     return dataclasses.replace(rebuild(state, [pos, *entries]), errors=errors)

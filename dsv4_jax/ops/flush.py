@@ -3,9 +3,10 @@ accumulators of a CSA or HCA layer and write every entry the step closes
 (epilogue + quantization) into the paged pool (docs/design/semantics.md,
 docs/design/formats.md, docs/design/state.md, docs/design/operations.md).
 
-FFI targets (operands in this order; the three attributes are decoded as one
-struct, FlushAttrs in ffi/include/dsv4/attrs.h, so a call passes exactly these,
-Python ints; kv_format is the enum KvFormat, KV_FORMAT_CODE's codes):
+FFI targets (operands in this order; the three attributes are decoded as
+every write op's one struct, WriteAttrs in ffi/include/dsv4/attrs.h, so a call
+passes exactly these, Python ints; kv_format is the enum KvFormat,
+KV_FORMAT_CODE's codes):
 "dsv4_flush_csa"
   attrs  kv_format, max_context, max_rows_per_slot (StepMeta.max_rows_per_slot:
          the rows any one slot has in the call at most, 0 = no bound; a hint

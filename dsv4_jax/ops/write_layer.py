@@ -12,8 +12,9 @@ BAD_SLOT twice, a bad traced layer BAD_LAYER once per part, as the two calls
 would count them. On an SWA layer write_layer is append (pass no compressor
 operands).
 
-FFI targets (operands in this order; the attributes are flush's struct,
-FlushAttrs in ffi/include/dsv4/attrs.h: exactly these three, Python ints):
+FFI targets (operands in this order; the attributes are every write op's
+struct, WriteAttrs in ffi/include/dsv4/attrs.h: exactly these three, Python
+ints):
 "dsv4_write_layer_csa"
   attrs  kv_format, max_context, max_rows_per_slot (StepMeta.max_rows_per_slot:
          the rows any one slot has in the call at most, 0 = no bound; a hint

@@ -12,7 +12,7 @@ import dsv4_jax as D
 from dsv4_jax.errors import ErrorKind as EK
 from dsv4_jax.meta import StepMeta
 
-from support import npq
+from support import npq, write_attrs
 from support.cpu_ops import FORMATS, errors, meta_for, new_state, rand_bf16, setup
 from support.inplace import check_in_place
 from support.marks import cpu_target_built, every_impl
@@ -94,7 +94,7 @@ def append_call(st, kv=None, layer=None, entries=None, pos=None, meta=None, **at
     meta = jnp.int32([0] * T + list(range(T)) + [7]) if meta is None else meta
     aliased = [pos, st.errors, *entries]
     args = [layer, meta, kv, *aliased]
-    attrs = {"kv_format": 0, "max_context": 256, **attrs}
+    attrs = write_attrs.changed(attrs)
     return call("dsv4_append", args, aliased, {3 + i: i for i in range(len(aliased))}, **attrs)
 
 
@@ -116,8 +116,6 @@ def test_append_good_call_runs(st):
     ("leaf_count", r"swa.kv: expected 3 entry buffers .* got 2"),
     ("leaf_dtype", r"swa.kv.nope: expected dtype float8_e4m3fn, got bfloat16"),
     ("scale_shape", r"swa.kv.scale: expected shape \[4, 2, 128, 7\], got \[4, 2, 128, 1\]"),
-    ("kv_format", r"kv_format: expected 0 \(ds_fp8\), 1 \(fp8_token\) or 2 \(bf16\), got 7"),
-    ("max_context", r"max_context: expected a positive multiple of 128, got 0"),
     ("pos_shape", r"swa.pos: expected shape \[\*, \*, 128\], got \[4, 2, 64\]"),
 ])
 def test_append_bad_operands(st, case, pattern):
@@ -143,14 +141,19 @@ def test_append_bad_operands(st, case, pattern):
         kw["entries"] = [nope.astype(jnp.bfloat16), rope, scale]
     elif case == "scale_shape":
         kw["entries"] = [nope, rope, scale[..., :1]]
-    elif case == "kv_format":
-        kw["kv_format"] = 7
-    elif case == "max_context":
-        kw["max_context"] = 0
     elif case == "pos_shape":
         kw["pos"] = st.swa.pos[..., :64]
     with pytest.raises(Exception, match=pattern):
         jax.block_until_ready(append_call(st, **kw))
+
+
+@cpu_module
+@pytest.mark.parametrize("change, pattern", write_attrs.BAD)
+def test_append_bad_attributes_rejected(st, change, pattern):
+    """Append's attributes are the write ops' one struct (WriteAttrs),
+    checked by flush's code (test_flush.py takes the same cases)."""
+    with pytest.raises(Exception, match=pattern):
+        jax.block_until_ready(append_call(st, **change))
 
 
 @cpu_module

@@ -13,7 +13,7 @@ import pytest
 import dsv4_jax as D
 from dsv4_jax.errors import ErrorKind as EK
 
-from support import npq
+from support import npq, write_attrs
 from support.cpu_ops import (FORMATS, csa_oracle, csa_params, errors, hca_params, meta_for,
                              new_state, quantized_compare, rng, setup, softmax_pool)
 from support.inplace import check_in_place
@@ -218,22 +218,14 @@ def test_flush_hca_bf16_projection_rejected(st):
 
 # The attributes arrive as one struct (ffi/include/dsv4/attrs.h): each member
 # checked by name (kv_format an enum the decoding does not bound), and the call
-# must hold exactly its members.
-@pytest.mark.parametrize("change, pattern", [
-    ({"max_rows_per_slot": -1}, r"max_rows_per_slot: expected >= 0 \(0: no bound\), got -1"),
-    ({"kv_format": 7}, r"kv_format: expected 0 \(ds_fp8\), 1 \(fp8_token\) or 2 \(bf16\), got 7"),
-    ({"kv_format": -1}, r"kv_format: expected .* got -1"),
-    ({"max_context": 0}, r"max_context: expected a positive multiple of 128, got 0"),
-    ({"max_rows_per_slot": None}, r"attributes: expected 3 .*got 2"),
-    ({"max_blocks": 2}, r"attributes: expected 3 .*got 4"),
-])
+# must hold exactly its members. Append's test takes the same cases.
+@pytest.mark.parametrize("change, pattern", write_attrs.BAD)
 def test_flush_bad_attributes_rejected(st, change, pattern):
     args, aliased = hca_flush_args(st)
-    attrs = {"kv_format": 0, "max_context": 256, "max_rows_per_slot": 0, **change}
-    attrs = {k: v for k, v in attrs.items() if v is not None}
     with pytest.raises(Exception, match=pattern):
         jax.block_until_ready(call("dsv4_flush_hca", args, aliased,
-                                   {8 + i: i for i in range(len(aliased))}, **attrs))
+                                   {8 + i: i for i in range(len(aliased))},
+                                   **write_attrs.changed(change)))
 
 
 @pytest.mark.parametrize("bad", [-1, True, 2.0])

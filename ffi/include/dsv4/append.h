@@ -28,21 +28,19 @@ struct AppendArgs {
 
 // The handlers' operands (dsv4/operands.h).
 #define DSV4_APPEND_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                             \
-  ATTR(KvFormat, kv_format) ATTR(int64_t, max_context) ARG(ffi::AnyBuffer, layer)           \
-  ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv) ARG(ffi::AnyBuffer, swa_pos_in)         \
-  ARG(ffi::AnyBuffer, errors_in) ARGS(swa_kv_in) RET(ffi::AnyBuffer, swa_pos)               \
-  RET(ffi::AnyBuffer, errors) RETS(swa_kv)
+  ATTRS(WriteAttrs, DSV4_WRITE_ATTRS) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta)  \
+  ARG(ffi::AnyBuffer, kv) ARG(ffi::AnyBuffer, swa_pos_in) ARG(ffi::AnyBuffer, errors_in)    \
+  ARGS(swa_kv_in) RET(ffi::AnyBuffer, swa_pos) RET(ffi::AnyBuffer, errors) RETS(swa_kv)
 
 // `num_entry_args`: how many entry leaves came as inputs; `leaves`: the
 // entry results (aliased to them), which the handler writes.
-inline ffi::Error ValidateAppend(KvFormat kv_format, int64_t max_context, ffi::AnyBuffer layer,
+inline ffi::Error ValidateAppend(const WriteAttrs& attrs, ffi::AnyBuffer layer,
                                  ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer swa_pos_in,
                                  ffi::AnyBuffer errors_in, size_t num_entry_args,
                                  ffi::AnyBuffer swa_pos, ffi::AnyBuffer errors,
                                  const std::vector<ffi::AnyBuffer>& leaves, AppendArgs* out) {
   AppendArgs a;
-  DSV4_RETURN_IF_ERROR(CheckKvFormat(kv_format));
-  DSV4_RETURN_IF_ERROR(CheckMaxContext(max_context));
+  DSV4_RETURN_IF_ERROR(CheckWriteAttrs(attrs));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
   DSV4_RETURN_IF_ERROR(CheckBuffer("kv", kv, ffi::DataType::BF16, {-1, kHeadDim}));
   a.T = kv.dimensions()[0];
@@ -57,8 +55,8 @@ inline ffi::Error ValidateAppend(KvFormat kv_format, int64_t max_context, ffi::A
                                        " entry inputs but " + std::to_string(leaves.size()) +
                                        " entry results");
   std::vector<int64_t> lead = {a.L, a.R, kWindow};
-  DSV4_RETURN_IF_ERROR(BindEntryLeaves("swa.kv", kv_format, leaves, &lead, &a.pool));
-  a.max_context = max_context;
+  DSV4_RETURN_IF_ERROR(BindEntryLeaves("swa.kv", attrs.kv_format, leaves, &lead, &a.pool));
+  a.max_context = attrs.max_context;
   a.layer = static_cast<const int32_t*>(layer.untyped_data());
   a.kv = static_cast<const uint16_t*>(kv.untyped_data());
   a.swa_pos = static_cast<int32_t*>(swa_pos.untyped_data());
@@ -70,8 +68,8 @@ inline ffi::Error ValidateAppend(KvFormat kv_format, int64_t max_context, ffi::A
 inline ffi::Error ValidateAppend(DSV4_PARAMS(DSV4_APPEND_OPERANDS), AppendArgs* out) {
   std::vector<ffi::AnyBuffer> leaves;
   DSV4_RETURN_IF_ERROR(CollectLeaves(swa_kv, &leaves));
-  return ValidateAppend(kv_format, max_context, layer, meta, kv, swa_pos_in, errors_in,
-                        swa_kv_in.size(), *swa_pos, *errors, leaves, out);
+  return ValidateAppend(attrs, layer, meta, kv, swa_pos_in, errors_in, swa_kv_in.size(),
+                        *swa_pos, *errors, leaves, out);
 }
 
 }  // namespace dsv4

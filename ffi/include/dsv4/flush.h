@@ -121,13 +121,13 @@ struct FlushArgs {
 // one remaining group (the buffers the results name, then the pool's entry
 // leaves); the results name them.
 #define DSV4_FLUSH_CSA_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                          \
-  ATTRS(FlushAttrs, DSV4_FLUSH_ATTRS) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) \
+  ATTRS(WriteAttrs, DSV4_WRITE_ATTRS) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) \
   DSV4_COMPRESSOR_OPERANDS(ARG, kv, score) DSV4_INDEX_COMPRESSOR_OPERANDS(ARG)             \
   ARG(ffi::AnyBuffer, block_table) ARGS(aliased_in) RET(ffi::AnyBuffer, csa_comp)          \
   RET(ffi::AnyBuffer, csa_icomp) RET(ffi::AnyBuffer, csa_index_packed)                     \
   RET(ffi::AnyBuffer, csa_index_scale) RET(ffi::AnyBuffer, errors) RETS(csa_kv)
 #define DSV4_FLUSH_HCA_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                          \
-  ATTRS(FlushAttrs, DSV4_FLUSH_ATTRS) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) \
+  ATTRS(WriteAttrs, DSV4_WRITE_ATTRS) ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) \
   DSV4_COMPRESSOR_OPERANDS(ARG, kv, score) ARG(ffi::AnyBuffer, block_table)                \
   ARGS(aliased_in) RET(ffi::AnyBuffer, hca_comp) RET(ffi::AnyBuffer, errors) RETS(hca_kv)
 
@@ -160,14 +160,10 @@ inline ffi::Error BindCompressorInputs(const std::string& prefix, const std::str
 // The checks common to both kinds: attributes, layer, token rows (T: the
 // rows of the projections `kv`, checked in full by BindCompressorInputs),
 // block table.
-inline ffi::Error BindFlushCommon(const FlushAttrs& attrs, ffi::AnyBuffer layer,
+inline ffi::Error BindFlushCommon(const WriteAttrs& attrs, ffi::AnyBuffer layer,
                                   ffi::AnyBuffer meta, const std::string& kv_name,
                                   ffi::AnyBuffer kv, ffi::AnyBuffer block_table, FlushArgs* a) {
-  DSV4_RETURN_IF_ERROR(CheckKvFormat(attrs.kv_format));
-  DSV4_RETURN_IF_ERROR(CheckMaxContext(attrs.max_context));
-  if (attrs.max_rows_per_slot < 0)
-    return ffi::Error::InvalidArgument("max_rows_per_slot: expected >= 0 (0: no bound), got " +
-                                       std::to_string(attrs.max_rows_per_slot));
+  DSV4_RETURN_IF_ERROR(CheckWriteAttrs(attrs));
   DSV4_RETURN_IF_ERROR(CheckScalarS32("layer", layer));
   DSV4_RETURN_IF_ERROR(CheckBuffer(kv_name.c_str(), kv, ffi::DataType::F32, {-1, -1}));
   a->T = kv.dimensions()[0];
@@ -192,7 +188,7 @@ inline ffi::Error CheckAliasedCounts(const char* what, size_t args, size_t rets)
 }
 
 inline ffi::Error ValidateFlushCsa(
-    const FlushAttrs& attrs, ffi::AnyBuffer layer, ffi::AnyBuffer meta, ffi::AnyBuffer kv,
+    const WriteAttrs& attrs, ffi::AnyBuffer layer, ffi::AnyBuffer meta, ffi::AnyBuffer kv,
     ffi::AnyBuffer score, ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
     ffi::AnyBuffer index_kv, ffi::AnyBuffer index_score, ffi::AnyBuffer index_ape,
     ffi::AnyBuffer index_norm, ffi::AnyBuffer index_inv_freq, ffi::AnyBuffer block_table,
@@ -231,7 +227,7 @@ inline ffi::Error ValidateFlushCsa(
   return ffi::Error::Success();
 }
 
-inline ffi::Error ValidateFlushHca(const FlushAttrs& attrs, ffi::AnyBuffer layer,
+inline ffi::Error ValidateFlushHca(const WriteAttrs& attrs, ffi::AnyBuffer layer,
                                    ffi::AnyBuffer meta, ffi::AnyBuffer kv, ffi::AnyBuffer score,
                                    ffi::AnyBuffer ape, ffi::AnyBuffer norm, ffi::AnyBuffer inv_freq,
                                    ffi::AnyBuffer block_table, size_t num_aliased_args,

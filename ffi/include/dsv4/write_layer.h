@@ -21,16 +21,15 @@ struct WriteLayerArgs {
   FlushArgs flush;
 };
 
-// The handlers' operands (dsv4/operands.h): append's and flush's, flush's
-// attribute struct (append's attributes are two of its members), the aliased
-// buffers as one remaining group.
+// The handlers' operands (dsv4/operands.h): append's and flush's, their one
+// attribute struct, the aliased buffers as one remaining group.
 #define DSV4_WRITE_LAYER_CSA_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                    \
-  ATTRS(FlushAttrs, DSV4_FLUSH_ATTRS) ARG(ffi::AnyBuffer, window_layer)                    \
+  ATTRS(WriteAttrs, DSV4_WRITE_ATTRS) ARG(ffi::AnyBuffer, window_layer)                    \
   ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv)              \
   DSV4_COMPRESSOR_OPERANDS(ARG, comp_kv, comp_score) DSV4_INDEX_COMPRESSOR_OPERANDS(ARG)   \
   ARG(ffi::AnyBuffer, block_table) ARGS(aliased_in) RETS(aliased)
 #define DSV4_WRITE_LAYER_HCA_OPERANDS(ATTR, ATTRS, ARG, ARGS, RET, RETS)                    \
-  ATTRS(FlushAttrs, DSV4_FLUSH_ATTRS) ARG(ffi::AnyBuffer, window_layer)                    \
+  ATTRS(WriteAttrs, DSV4_WRITE_ATTRS) ARG(ffi::AnyBuffer, window_layer)                    \
   ARG(ffi::AnyBuffer, layer) ARG(ffi::AnyBuffer, meta) ARG(ffi::AnyBuffer, kv)              \
   DSV4_COMPRESSOR_OPERANDS(ARG, comp_kv, comp_score) ARG(ffi::AnyBuffer, block_table)      \
   ARGS(aliased_in) RETS(aliased)
@@ -45,13 +44,13 @@ struct FlushAliased {
 // leaves, then flush's `flush_fixed` buffers (errors last) and its pool's
 // entry leaves, as many as the window's (one kv_format). Counts them, checks
 // the append part (into out->append) and returns flush's part.
-inline ffi::Error ValidateWriteLayerWindow(const std::string& what, const FlushAttrs& attrs,
+inline ffi::Error ValidateWriteLayerWindow(const std::string& what, const WriteAttrs& attrs,
                                            ffi::AnyBuffer window_layer, ffi::AnyBuffer meta,
                                            ffi::AnyBuffer kv, size_t flush_fixed,
                                            const ffi::RemainingArgs& args,
                                            const ffi::RemainingRets& rets, WriteLayerArgs* out,
                                            FlushAliased* flush) {
-  DSV4_RETURN_IF_ERROR(CheckKvFormat(attrs.kv_format));
+  DSV4_RETURN_IF_ERROR(CheckWriteAttrs(attrs));
   const size_t n = EntryLeafCount(attrs.kv_format);
   const size_t want = 1 + n + flush_fixed + n;
   if (args.size() != want || rets.size() != want)
@@ -70,8 +69,8 @@ inline ffi::Error ValidateWriteLayerWindow(const std::string& what, const FlushA
   };
   flush->fixed = part(f, flush_fixed);
   flush->leaves = part(f + flush_fixed, n);
-  return ValidateAppend(attrs.kv_format, attrs.max_context, window_layer, meta, kv, ins[0],
-                        ins[err], n, outs[0], outs[err], part(1, n), &out->append);
+  return ValidateAppend(attrs, window_layer, meta, kv, ins[0], ins[err], n, outs[0], outs[err],
+                        part(1, n), &out->append);
 }
 
 // Append's T is the rows of kv and flush's those of comp_kv: one step's
