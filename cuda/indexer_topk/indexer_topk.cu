@@ -19,7 +19,8 @@
 //     cores, keys streamed through a cp.async ring. The mxfp4 kernel is
 //     launched overlapped too, so its CTAs are in place when the kernel
 //     ahead of it (the layer's write, say) ends; it reads nothing before
-//     its wait. With rows_per_request G > 1 the grid is (ceil(T / G), entry
+//     its wait. With rows_per_request G > 1, where the grid would give each
+//     warp several tiles (RowsPerCta), the grid is (ceil(T / G), entry
 //     chunks) of ScoreKernelMxfp4Rows (score_mxfp4_rows.cuh): a CTA scores
 //     G consecutive rows, each key tile of a request read once for its rows.
 //  2. SelectKernel (select.cuh), one block of 1024 threads a token, or a
@@ -66,8 +67,9 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_INDEXER_TOPK_OP
     if (chunks > 65535 || a.T > 0x7fffffff)
       return ffi::Error::InvalidArgument("indexer_topk: too many tokens or entries for one grid");
     if (a.q_format == kQueryMxfp4) {
-      // a CTA row a group of rows_per_request rows (one row: ScoreKernelMxfp4)
-      const int64_t group = rows_per_request;
+      // a CTA row a group of rows (one row: ScoreKernelMxfp4)
+      const int64_t group =
+          RowsPerCta(a.T, a.E, static_cast<int>(rows_per_request), cuda::SmCount());
       const int64_t cta_rows = (a.T + group - 1) / group;
       const int tpw = TilesPerWarp(cta_rows, a.E, cuda::SmCount());
       const bool pairs = PairWarps(cta_rows, a.E, tpw, cuda::SmCount());
@@ -80,8 +82,8 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_INDEXER_TOPK_OP
       const cudaError_t opt_in =
           group == 1
               ? AllowDynamicShared<ScoreKernelMxfp4<false>, ScoreKernelMxfp4<true>>(kRingBytes)
-              : AllowDynamicShared<ScoreKernelMxfp4Rows<false>, ScoreKernelMxfp4Rows<true>>(
-                    RowsDynamicBytes(kMaxRowsPerCta));
+              : cuda::AllowDynamicShared<ScoreKernelMxfp4Rows>(
+                    static_cast<int>(RowsDynamicBytes(kMaxRowsPerCta)));
       if (opt_in != cudaSuccess)
         return ffi::Error::Internal(std::string("indexer_topk shared memory: ") +
                                     cudaGetErrorString(opt_in));
@@ -92,10 +94,9 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_INDEXER_TOPK_OP
         const auto kernel = pairs ? ScoreKernelMxfp4<true> : ScoreKernelMxfp4<false>;
         e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), bytes, 1u, stream, a, tpw,
                                    evict_first);
-      } else {
-        const auto kernel = pairs ? ScoreKernelMxfp4Rows<true> : ScoreKernelMxfp4Rows<false>;
-        e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), bytes, 1u, stream, a, tpw,
-                                   evict_first, static_cast<int>(group));
+      } else {   // never pairs: RowsPerCta groups only grids of several tiles a warp
+        e = cuda::LaunchOverlapped(ScoreKernelMxfp4Rows, grid, dim3(kMmaThreads), bytes, 1u, stream,
+                                   a, tpw, evict_first, static_cast<int>(group));
       }
       if (e != cudaSuccess)
         return ffi::Error::Internal(std::string("indexer_topk launch: ") + cudaGetErrorString(e));

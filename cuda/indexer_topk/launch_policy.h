@@ -13,9 +13,10 @@
 //   6     65536    one-thread | 16 columns, 6 tiles        no           4
 //   1     262144   one-thread | 16 columns, 4 tiles        no           8
 //
-// With rows_per_request G > 1 the mxfp4 choices take the grid's CTA rows,
-// ceil(T / G), for T (a CTA scores G rows: ScoreKernelMxfp4Rows): a verify
-// step of 64 requests of 4 rows at 64k is then shaped as 64 decode tokens.
+// With rows_per_request G > 1, where RowsPerCta groups, the mxfp4 choices
+// take the grid's CTA rows, ceil(T / G), for T (a CTA scores G rows:
+// ScoreKernelMxfp4Rows): a verify step of 64 requests of 4 rows at 64k is
+// then shaped as 64 decode tokens; one of a request of 4 rows is not grouped.
 //
 // None of these changes a result bit: every kernel shape computes the same
 // scores and the same selection (tests/ops/test_indexer_topk_scores.py and
@@ -86,6 +87,15 @@ constexpr bool PairWarps(int64_t T, int64_t E, int tiles_per_warp, int sm_count)
   return tiles_per_warp == 1 && T * ((E + pair_span - 1) / pair_span) <= resident;
 }
 
+// Rows a score CTA takes for rows_per_request G (ScoreKernelMxfp4Rows when
+// more than one): G where a CTA a row would give each warp several tiles
+// (the grid is throughput-bound, and reading and decoding each tile once for
+// G rows saves work), else 1: a grid of a tile a warp is bound by one CTA's
+// latency, which G queries rounded and G rows' MMAs a CTA would lengthen.
+constexpr int RowsPerCta(int64_t T, int64_t E, int G, int sm_count) {
+  return G > 1 && TilesPerWarp(T, E, sm_count) > 1 ? G : 1;
+}
+
 // Whether the mxfp4 score kernel streams the keys with evict_first
 // (StreamPolicy): where they are more than L2 holds, so no line of theirs is
 // read again in the call anyway, and the rank keys the select reads next
@@ -117,6 +127,10 @@ static_assert(TilesPerWarp(64, 16384, kH100Sms) == 16 && KeysEvictFirst(64, 1638
 static_assert(TilesPerWarp(4096, 2048, kH100Sms) == 4 && KeysEvictFirst(4096, 2048, kH100L2), "");
 static_assert(TilesPerWarp(6, 65536, kH100Sms) == 6 && !KeysEvictFirst(6, 65536, kH100L2), "");
 static_assert(TilesPerWarp(1, 262144, kH100Sms) == 4 && !KeysEvictFirst(1, 262144, kH100L2), "");
+// a verify step (1 + 3 rows a request) at 64k: B = 64 groups, B = 1 does not
+static_assert(RowsPerCta(256, 16384, 4, kH100Sms) == 4 && RowsPerCta(4, 16384, 4, kH100Sms) == 1 &&
+              RowsPerCta(4, 1024, 4, kH100Sms) == 1 && RowsPerCta(4, 262144, 4, kH100Sms) == 4,
+              "");
 static_assert(SelectCtas(16384) == 1 && SelectCtas(16385) == 2 && SelectCtas(65536) == 4 &&
               SelectCtas(262144) == 8 && SelectCtas(int64_t{1} << 22) == 8, "");
 

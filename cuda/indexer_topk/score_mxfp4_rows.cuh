@@ -50,10 +50,9 @@ __device__ __forceinline__ QueryOperands& RowQuery(int r) {
   return reinterpret_cast<QueryOperands*>(rows_dyn + kRingBytes / 4)[r];
 }
 
-// BlockTileL4Sums of row r out of line (BlockTileL4's reasons), one copy per
-// kernel (kCaller: its kPairs); the row's operands are found from r here, so
-// the compiler sees them in shared memory at fixed offsets from one base.
-template <bool kCaller>
+// BlockTileL4Sums of row r out of line (BlockTileL4's reasons); the row's
+// operands are found from r here, so the compiler sees them in shared memory
+// at fixed offsets from one base.
 __device__ __noinline__ float4 BlockTileL4Row(const uint32_t* st, int r, int g, int c, int lane) {
   const QueryOperands& qo = RowQuery(r);
   return BlockTileL4Sums(st, qo.block + lane, qo.qf, qo.w, g, c);
@@ -74,7 +73,8 @@ __device__ __noinline__ float4 BlockTileL4Row(const uint32_t* st, int r, int g, 
 // a head outside the fast form's guards, or a tile with a key outside them
 // below the largest visible count of the slot's rows, takes the per-block
 // form (the same bits: the form decides the time only).
-template <bool kPairs>
+// Launched only where a CTA a row would give each warp several tiles
+// (RowsPerCta, launch_policy.h), so always in single warps, never pairs.
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
     ScoreKernelMxfp4Rows(IndexerTopkArgs a, int tiles_per_warp, bool evict_first,
                          int rows_per_cta) {
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
   QueryBlockRaw qraw{};
   if (pass_row < rows)
     qraw = LoadQueryBlock(a, t0 + pass_row, pair / kIndexScales, pair % kIndexScales);
-  constexpr int columns = TileColumns(kPairs);
+  constexpr int columns = TileColumns(false);
   // entries as int: E = MB * 32 < 2^31 (a position is an int32)
   const int span = columns * tiles_per_warp * kTile;
   const int first = static_cast<int>(blockIdx.y) * span;
@@ -110,8 +110,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
     if (n_s[r] > first) live |= 1u << r;
   if (!live) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-  const int column = kPairs ? warp >> 1 : warp;                // tiles column + columns * it
-  const int half = kPairs ? warp & 1 : 0;                      // pairs: this warp's rows
+  const int column = warp;                                     // tiles column + columns * it
   const int own_row = g + 8 * c;                               // the row this lane finishes
   const uint32_t byte_c = 0x4440u + c;                         // permute: byte c, zeros above
   const int64_t l = *a.layer;
@@ -208,14 +207,8 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
           if ((group >> r & 1) && j * kPerBlock < n_s[r])
             cuda::CountErrorAtomic(a.errors, kMissingBlock, t0 + r);
     }
-    // this warp's rows: all of the turn's, or in pairs every other one (by
-    // rank in the turn: warp 2p + hf takes ranks hf, hf + 2, ...)
-    uint32_t mine = 0;
-    int rank = 0;
-    for (uint32_t m = group; m; m &= m - 1, ++rank)
-      if (!kPairs || (rank & 1) == half) mine |= m & (0u - m);
-    const bool any_fast = (mine & ~slow) != 0;
-    const int my_tiles = mine ? tiles : 0;                     // pairs of a lone row: one idles
+    const bool any_fast = (group & ~slow) != 0;
+    const int my_tiles = group ? tiles : 0;
     for (int it = 0; it < my_tiles; ++it) {                    // uniform per warp
       const int32_t block = blocks_s[column + columns * it];
       issue(it + kStages - 1);
@@ -223,7 +216,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
       __syncwarp();
       const int e0 = first + (column + columns * it) * kTile;
       if (block < 0 || block >= a.N) {
-        for (uint32_t m = mine; m; m &= m - 1) {
+        for (uint32_t m = group; m; m &= m - 1) {
           const int r = __ffs(m) - 1;
           if (e0 + lane < n_s[r]) row_keys(r)[e0 + lane] = 0;
         }
@@ -237,7 +230,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
       bool fast = IndexKeyFast(st[kScaleWord + own_row], &shifts, &kf);
       if (e0 + own_row >= n_max) fast = true, shifts = 0;
       const bool tile_fast = any_fast && __all_sync(cuda::kFull, fast);
-      const uint32_t fast_rows = tile_fast ? mine & ~slow : 0u;   // rows in the fast form
+      const uint32_t fast_rows = tile_fast ? group & ~slow : 0u;   // rows in the fast form
       uint32_t keys[2][2][2][4];                               // decoded once for every row
       if (tile_fast) {
         uint4 kv[4];
@@ -251,7 +244,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
         DecodeFastTile(kv, tab, keys);
       }
 #pragma unroll 1
-      for (uint32_t todo_rows = mine; todo_rows; todo_rows &= todo_rows - 1) {
+      for (uint32_t todo_rows = group; todo_rows; todo_rows &= todo_rows - 1) {
         const int r = __ffs(todo_rows) - 1;
         const int n = n_s[r];
         if (e0 >= n) continue;                                 // uniform
@@ -268,7 +261,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
           kr = kf * signs.root;                                // both powers of two
           m5 = signs.l5, m6 = signs.l6;
         } else {
-          const float4 v = BlockTileL4Row<kPairs>(st, r, g, c, lane);
+          const float4 v = BlockTileL4Row(st, r, g, c, lane);
           l4[0] = v.x, l4[1] = v.y, l4[2] = v.z, l4[3] = v.w;
         }
         const float score = kr * QuadHeadTree(l4, c, m5, m6);

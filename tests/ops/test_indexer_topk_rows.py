@@ -6,9 +6,11 @@ verify-step rows (a request's rows in a row, their visible counts differing
 across a tile and a CTA span), rows of several slots in one group, a bad row
 inside a request's rows, missing blocks some rows of a group need and others
 do not, and T not a multiple of the group. On CUDA the groups of q_format
-"mxfp4" run ScoreKernelMxfp4Rows (cuda/indexer_topk/score_mxfp4_rows.cuh):
-in pairs of warps on the small grids, in single warps with one or more tiles
-a warp on the large one. Bad values are refused alike everywhere."""
+"mxfp4" run ScoreKernelMxfp4Rows (cuda/indexer_topk/score_mxfp4_rows.cuh)
+where a CTA a row would give each warp several tiles (RowsPerCta in
+cuda/indexer_topk/launch_policy.h), so the CUDA cases of the small batch
+take a 16k context (E = 4096 entries a request: its 27 rows group) where the
+others take 2k. Bad values are refused alike everywhere."""
 import dataclasses
 
 import jax
@@ -28,16 +30,21 @@ from support.marks import CUDA, requires_cpu_ffi
 
 LAYER, KIND = 3, 1             # the second CSA layer of the tiny preset, its CSA index
 R, MAX_CONTEXT = 6, 2048       # E = 512 entries a request
+CUDA_CONTEXT = 16384           # E = 4096: 27 rows a CTA each would take 2 tiles a warp
 GROUPS = [1, 2, 3, 4, 8]
 HANDLERS = [pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
             pytest.param("cuda", marks=CUDA)]
 
 
-def rows_state(rng, detail=False):
+def context_of(impl):
+    return CUDA_CONTEXT if impl == "cuda" else MAX_CONTEXT
+
+
+def rows_state(rng, detail=False, context=MAX_CONTEXT):
     """Six requests owning random blocks; slot 2 lacks logical blocks 1 and 2
     and maps block 5 past N; scale bytes mixed so that some tiles take the
     fast form, some the per-block form, some bytes past 231."""
-    st = make_state(rng, R=R, max_context=MAX_CONTEXT, num_blocks=128)
+    st = make_state(rng, R=R, max_context=context, num_blocks=max(128, R * context // 128))
     blocks = random_blocks(rng, st.config, range(R))
     bt = np.stack([np.r_[b] for b in blocks.values()]).astype(np.int32)
     bt[2, 1] = bt[2, 2] = -1
@@ -58,7 +65,7 @@ ROWS = [
     (1, 129, None), (1, 130, None), (1, 131, None), (1, 132, None),       # n 32, 32, 33, 33: tile 1
     (2, 256, None), (2, 257, None), (2, 258, None), (2, 259, None),       # n 64 x3, 65: blocks 1, 2
     (3, 600, None), (-1, 601, None), (3, 602, "q"), (3, 603, None),       # padding, NaN q
-    (4, 700, None), (4, MAX_CONTEXT, None), (9, 702, None), (4, 703, "w"),  # bad pos, slot; Inf w
+    (4, 700, None), (4, None, None), (9, 702, None), (4, 703, "w"),   # bad pos, slot; Inf w
     (0, 2047, None), (5, 40, None), (1, 1500, None), (5, 2, None),        # four slots; n = 0
     (5, 1500, None), (5, 1501, None), (5, 1502, "head"),                  # T = 27; a slow query
 ]
@@ -67,9 +74,10 @@ COUNTS = {EK.MISSING_BLOCK: 5, EK.NONFINITE: 2, EK.BAD_POSITION: 1, EK.BAD_SLOT:
 BAD = [13, 14, 17, 18, 19]
 
 
-def rows_batch(rng):
+def rows_batch(rng, context=MAX_CONTEXT):
+    """The ROWS batch; None: the first position past the context."""
     slot = np.array([s for s, _, _ in ROWS], np.int32)
-    pos = np.array([p for _, p, _ in ROWS], np.int32)
+    pos = np.array([context if p is None else p for _, p, _ in ROWS], np.int32)
     q, w = queries(rng, len(ROWS))
     q = np.asarray(q, np.float32)
     for t, (_, _, spoil) in enumerate(ROWS):
@@ -92,8 +100,8 @@ def counts(errors):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_any_rows_per_request_same_indices_and_counts(impl, q_format, rows_per_request):
     rng = np.random.default_rng(61)
-    st = rows_state(rng)
-    slot, pos, q, w = rows_batch(rng)
+    st = rows_state(rng, context=context_of(impl))
+    slot, pos, q, w = rows_batch(rng, context_of(impl))
     k = 64
     with np.errstate(over="ignore", invalid="ignore"):
         got, st2 = run(st, LAYER, slot, pos, q, w, k, impl, q_format=q_format,
@@ -117,8 +125,8 @@ def test_error_detail_equals_the_reference(impl, rows_per_request):
     """With error detail the first row of each kind (its slot and position)
     is the reference's too: a group counts each row as that row."""
     rng = np.random.default_rng(62)
-    st = rows_state(rng, detail=True)
-    slot, pos, q, w = rows_batch(rng)
+    st = rows_state(rng, detail=True, context=context_of(impl))
+    slot, pos, q, w = rows_batch(rng, context_of(impl))
     _, st2 = run(st, LAYER, slot, pos, q, w, 16, impl, q_format="mxfp4",
                  rows_per_request=rows_per_request)
     _, st_ref = run(st, LAYER, slot, pos, q, w, 16, "reference", q_format="mxfp4")
@@ -149,8 +157,8 @@ def test_handler_rank_keys_bit_exact(impl, rows_per_request):
     the float32 replay (fast and per-block tiles, a slow query among fast
     ones of its request, entries of missing blocks 0)."""
     rng = np.random.default_rng(63)
-    st = rows_state(rng)
-    slot, pos, q, w = rows_batch(rng)
+    st = rows_state(rng, context=context_of(impl))
+    slot, pos, q, w = rows_batch(rng, context_of(impl))
     scratch = handler_scratch(impl, st, slot, pos, q, w, "mxfp4", rows_per_request)
     wants = replayed_rank_keys(st, slot, pos, q, w, "mxfp4")
     assert len(wants) == 22 and any(len(v) == 0 for v in wants.values())
