@@ -22,7 +22,8 @@ MAX_FLIP_FRACTION = 1e-3
 def test_ffi_equals_reference_step_by_step(impl, kv_format):
     cfg = CacheConfig.tiny(kv_format=kv_format)
     params = layer_params(cfg, seed=1)
-    sched = Schedule(cfg, seed=["ds_fp8", "fp8_token", "bf16"].index(kv_format), decode_after=4)
+    sched = Schedule(cfg, seed=["ds_fp8", "fp8_token", "bf16"].index(kv_format), decode_after=4,
+                     pad_to_capacity=True)
     rng = np.random.default_rng(2)
     write = {i: jax.jit(lambda s, m, x, i=i: write_step(s, m, x, params, i),
                         donate_argnums=0) for i in (impl, "reference")}

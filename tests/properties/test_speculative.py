@@ -12,6 +12,7 @@ import pytest
 import dsv4_jax as dj
 from dsv4_jax import config as C
 from dsv4_jax.errors import ErrorKind
+from dsv4_jax.meta import bucket
 from dsv4_jax.sharding import ShardedCacheManager, init_sharded_state, shard_config
 from support.marks import CUDA, requires_cpu_ffi
 from support.speculative import SpecDriver, assert_same_cache
@@ -22,16 +23,27 @@ IMPLS = ["reference", pytest.param("cpu", marks=requires_cpu_ffi),
          pytest.param("cuda", marks=CUDA)]
 
 
+def pads_of(cfg) -> dict:
+    """prepare_step minimums every step of `cfg` fits (new blocks: at most
+    the pool's; resets: at most one a slot), so a step's shape varies only
+    with its rows: fewer programs to compile, the reference's being this
+    file's cost."""
+    return dict(min_new_blocks=bucket(cfg.num_blocks), min_resets=bucket(cfg.max_requests))
+
+
 def drivers(cfg, streams, drafts, impl, mesh=None, read=None, min_tokens=16):
-    """(speculative cache, twin) over the same streams, both fresh."""
+    """(speculative cache, twin) over the same streams, both fresh; unsharded,
+    with `pads_of(cfg)`."""
+    pads = pads_of(cfg) if mesh is None else {}
+
     def parts():
         if mesh is None:
             return cfg, dj.CacheManager(cfg), dj.init_state(cfg)
         scfg = shard_config(cfg, mesh, "data")
         return scfg, ShardedCacheManager(scfg), init_sharded_state(scfg, mesh)
     x = SpecDriver(*parts(), streams, mesh=mesh, impl=impl, min_tokens=min_tokens,
-                   drafts=drafts, read=read)
-    y = Driver(*parts(), streams, mesh=mesh, impl=impl, min_tokens=min_tokens)
+                   drafts=drafts, read=read, pads=pads)
+    y = Driver(*parts(), streams, mesh=mesh, impl=impl, min_tokens=min_tokens, pads=pads)
     return x, y
 
 
@@ -215,7 +227,7 @@ def test_verify_reads_equal_a_prefill_chunk_of_the_same_tokens(impl):
         return _reads(state, layer, m.token_slot, m.token_pos, x["kv"], qs, impl)
     x, _ = drivers(cfg, streams, k, impl, read=read, min_tokens=T)
     chunk = Driver(cfg, dj.CacheManager(cfg), dj.init_state(cfg), streams, impl=impl,
-                   min_tokens=T)
+                   min_tokens=T, pads=pads_of(cfg))
     pairs = [(x.admit(i), chunk.admit(i)) for i in range(3)]
     step_both(x, chunk, pairs, [126, 61, 200])
 

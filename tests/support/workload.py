@@ -12,6 +12,7 @@ import numpy as np
 
 from dsv4_jax import config as C
 from dsv4_jax.host.manager import CacheFullError, CacheManager
+from dsv4_jax.meta import bucket
 from dsv4_jax.ops.append import append
 from dsv4_jax.ops.apply_step import apply_step
 from dsv4_jax.ops.flush import flush
@@ -100,14 +101,21 @@ def read_step(state, meta, queries, impl):
 
 
 class Schedule:
-    """Admissions, releases and chunk sizes drawn from a seed."""
+    """Admissions, releases and chunk sizes drawn from a seed. With
+    `pad_to_capacity`, every step's new blocks and resets and the queries'
+    slots are padded to what the pool and the slots can hold, so that steps
+    differ in shape only by their token rows: fewer programs to compile."""
 
-    def __init__(self, cfg, seed, decode_after=3):
+    def __init__(self, cfg, seed, decode_after=3, pad_to_capacity=False):
         self.cfg = cfg
         self.rng = np.random.default_rng(seed)
         self.manager = CacheManager(cfg)
         self.step_no = 0
         self.decode_after = decode_after
+        self.pads = {}
+        if pad_to_capacity:
+            self.pads = dict(min_new_blocks=bucket(cfg.num_blocks),
+                             min_resets=bucket(cfg.max_requests))
 
     def next(self):
         m, rng, cfg = self.manager, self.rng, self.cfg
@@ -131,7 +139,7 @@ class Schedule:
                 break
             except CacheFullError:
                 tokens.popitem()
-        meta = m.prepare_step(tokens, min_tokens=int(rng.integers(1, 5)))
+        meta = m.prepare_step(tokens, min_tokens=int(rng.integers(1, 5)), **self.pads)
         self.step_no += 1
         return meta
 
@@ -141,6 +149,9 @@ class Schedule:
         m, rng = self.manager, self.rng
         slots = [m.slot_of(r) for r in m.requests] + [-1]
         lengths = [m.length_of(r) for r in m.requests] + [0]
+        if self.pads:
+            extra = self.cfg.max_requests + 1 - len(slots)
+            slots, lengths = slots + [-1] * extra, lengths + [0] * extra
         T = meta.num_tokens
         pos = np.asarray(meta.token_pos)
         visible = (pos + 1) // C.CSA_RATIO
