@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/cp_async.cuh"
+#include "dsv4/indexer_topk.h"
 #include "indexer_topk/launch_policy.h"
 
 namespace dsv4 {
@@ -53,6 +54,22 @@ struct TileStream {
                       policy);
   }
 };
+
+// Warp `warp`'s stream of layer l's tiles into its ring in `ring_dyn`
+// (kMmaWarps rings of kStages tiles, the start of the kernel's dynamic shared
+// memory); the ring as an array, for reading the tiles.
+__device__ __forceinline__ TileStream WarpTileStream(const IndexerTopkArgs& a, int64_t l,
+                                                     bool evict_first, uint32_t* ring_dyn,
+                                                     int warp, int lane) {
+  TileStream ts;
+  ts.N = a.N;
+  ts.policy = StreamPolicy(evict_first);
+  ts.packed = a.packed + l * a.N * kBlockKeyBytes + lane * 16;
+  ts.scale = a.scale + l * a.N * kBlockScaleBytes + (lane & 7) * 16;
+  auto ring_s = reinterpret_cast<uint32_t (*)[kStages][kTileWords]>(ring_dyn);
+  ts.dst = static_cast<uint32_t>(__cvta_generic_to_shared(&ring_s[warp][0][0])) + lane * 16;
+  return ts;
+}
 
 }  // namespace
 }  // namespace indexer

@@ -165,14 +165,8 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm) ScoreKernelMxfp4
   const int own_row = g + 8 * c;                               // the row this lane finishes
   const uint32_t byte_c = 0x4440u + c;                         // permute: byte c, zeros above
   const int64_t l = *a.layer;
-  TileStream ts;
-  ts.N = a.N;
-  ts.policy = StreamPolicy(evict_first);
-  ts.packed = a.packed + l * a.N * kBlockKeyBytes + lane * 16;
-  ts.scale = a.scale + l * a.N * kBlockScaleBytes + (lane & 7) * 16;
+  const TileStream ts = WarpTileStream(a, l, evict_first, ring_dyn, warp, lane);
   auto ring_s = reinterpret_cast<uint32_t (*)[kStages][kTileWords]>(ring_dyn);
-  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(&ring_s[warp][0][0]));
-  ts.dst = ring + lane * 16;
   uint32_t* keys = a.scratch + t * a.E;
   int tiles = 0;                                               // this warp's tiles below n
   while (tiles < tiles_per_warp && first + (column + columns * tiles) * kTile < ti.n) ++tiles;

@@ -118,14 +118,8 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
   const auto row_keys = [&](int r) {
     return a.scratch + (static_cast<int64_t>(blockIdx.x) * rows_per_cta + r) * a.E;
   };
-  TileStream ts;
-  ts.N = a.N;
-  ts.policy = StreamPolicy(evict_first);
-  ts.packed = a.packed + l * a.N * kBlockKeyBytes + lane * 16;
-  ts.scale = a.scale + l * a.N * kBlockScaleBytes + (lane & 7) * 16;
+  const TileStream ts = WarpTileStream(a, l, evict_first, rows_dyn, warp, lane);
   auto ring_s = reinterpret_cast<uint32_t (*)[kStages][kTileWords]>(rows_dyn);
-  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(&ring_s[warp][0][0]));
-  ts.dst = ring + lane * 16;
   const int j_first = first / kTile;                          // this CTA's first logical block
   uint32_t todo = live, slow = 0;
   bool rounded = false;
