@@ -9,11 +9,25 @@ from bench_attention import main
 from dsv4_jax.app.bench.inputs import entry_bytes
 
 
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """`quick_run(fmt)`: the rows of the quick run with --kv-format fmt (none:
+    the default), each run once for the file's tests."""
+    runs = {}
+
+    def rows(fmt=None):
+        if fmt not in runs:
+            out = tmp_path_factory.mktemp("bench_attention") / "rows.json"
+            argv = ["--quick", "--reps", "1", "--json", str(out)]
+            assert main(argv + (["--kv-format", fmt] if fmt else [])) == 0
+            runs[fmt] = json.loads(out.read_text())["rows"]
+        return runs[fmt]
+    return rows
+
+
 @pytest.mark.slow(reason="the attention bench's whole quick run; the bench command on two ops stays")
-def test_quick_run_rows(tmp_path):
-    out = tmp_path / "attention.json"
-    assert main(["--quick", "--reps", "1", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+def test_quick_run_rows(quick_run):
+    rows = quick_run()
     cases = [r for r in rows if r["op"] == "attention"]
     assert {(r["mode"], r["kind"]) for r in cases} == {
         ("decode", "csa"), ("decode", "hca"), ("prefill", "csa"), ("prefill", "hca")}
@@ -26,14 +40,12 @@ def test_quick_run_rows(tmp_path):
 
 
 @pytest.mark.slow(reason="the bench's quick run on bf16 pools; the ds_fp8 run stays")
-def test_quick_run_bf16_pools(tmp_path):
+def test_quick_run_bf16_pools(quick_run):
     """--kv-format bf16: the same cases on bf16 pools, their bytes counted at
-    a bf16 entry's size, the baseline still the same attention."""
-    runs = {}
-    for fmt in ("ds_fp8", "bf16"):
-        out = tmp_path / f"{fmt}.json"
-        assert main(["--quick", "--reps", "1", "--kv-format", fmt, "--json", str(out)]) == 0
-        runs[fmt] = [r for r in json.loads(out.read_text())["rows"] if r["op"] == "attention"]
+    a bf16 entry's size, the baseline still the same attention. The ds_fp8
+    rows are the default run's (ds_fp8 is the default: checked here)."""
+    runs = {fmt: [r for r in quick_run(arg) if r["op"] == "attention"]
+            for fmt, arg in (("ds_fp8", None), ("bf16", "bf16"))}
     assert len(runs["bf16"]) == len(runs["ds_fp8"]) == 6
     visited = {}
     for fp8, bf in zip(runs["ds_fp8"], runs["bf16"]):
