@@ -21,6 +21,12 @@ time too: one kernel reading and writing 1 GiB. With `--impl cpu` (a smoke
 run) host times stand in.
 
     python benchmarks/bench_indexer.py [--json PATH] [--contexts 8192 65536 1048576]
+    python benchmarks/bench_indexer.py --rows-per-request 4 --rows-hint 1 4   # verify rows
+
+With `--rows-per-request G` a request holds G rows (a verify step's 1 +
+drafts), timed with indexer_topk's rows_per_request at each `--rows-hint`
+(default G; 1 asks for a CTA a row): whether grouping a request's rows in one
+CTA pays at each size (launch_policy.h's RowsPerCta).
 """
 from __future__ import annotations
 
@@ -79,7 +85,7 @@ def make_state(B, ctx, seed=0, keys="quantized"):
     return dataclasses.replace(st, block_table=bt, csa=csa)
 
 
-def decode_loop(slot, pos, k, calls, impl="cuda", q_format="mxfp4"):
+def decode_loop(slot, pos, k, calls, impl="cuda", q_format="mxfp4", rows_per_request=1):
     """jitted (state, q, w) -> scalar: `calls` indexer_topk calls as a decode
     loop makes them, the state carried from call to call (its error counts
     updated in place, which also keeps every call alive), one q and w
@@ -92,7 +98,7 @@ def decode_loop(slot, pos, k, calls, impl="cuda", q_format="mxfp4"):
         def body(c, _):
             s, _ = c
             idx, s = indexer_topk(s, 1, slot, pos, q, w, k, impl=impl, q_format=q_format,
-                                    return_state=True)
+                                    rows_per_request=rows_per_request, return_state=True)
             return (s, idx), None
         s, idx = jax.lax.scan(body, (st, jnp.zeros((T, k), jnp.int32)), None, length=calls,
                               unroll=True)[0]
@@ -101,15 +107,20 @@ def decode_loop(slot, pos, k, calls, impl="cuda", q_format="mxfp4"):
 
 
 def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16",
-          keys="quantized"):
+          keys="quantized", rows=1, rows_hint=None):
+    """`rows` rows a request (a verify step's 1 + k: positions ctx - rows ..
+    ctx - 1, kept together), passed as rows_per_request `rows_hint` (default
+    `rows`; 1 asks for a CTA a row)."""
     st = make_state(B, ctx, keys=keys)
     rng = np.random.default_rng(1)
-    slot = jnp.arange(B, dtype=jnp.int32)
-    pos = jnp.full((B,), ctx - 1, jnp.int32)
-    q = jnp.asarray(rng.standard_normal((B, 64, 128)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((B, 64)), jnp.float32)
+    T = B * rows
+    slot = jnp.repeat(jnp.arange(B, dtype=jnp.int32), rows)
+    pos = jnp.tile(jnp.arange(ctx - rows, ctx, dtype=jnp.int32), B)
+    q = jnp.asarray(rng.standard_normal((T, 64, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((T, 64)), jnp.float32)
+    hint = rows if rows_hint is None else rows_hint
 
-    run = decode_loop(slot, pos, k, calls, impl=impl, q_format=q_format)
+    run = decode_loop(slot, pos, k, calls, impl=impl, q_format=q_format, rows_per_request=hint)
     run(st, q, w).block_until_ready()
     ts = []
     for _ in range(repeats):
@@ -122,11 +133,13 @@ def bench(B, ctx, k, calls, repeats, bw, lane_rate, impl="cuda", q_format="bf16"
     period = phases.get("period_us")
     us = period if period is not None else us_per_exec
     entries = ctx // 4
-    nbytes = B * (entries * KEY_BYTES + 64 * 128 * 2 + 64 * 4 + k * 4)
+    # every visible key once a request (its rows can share the read)
+    nbytes = B * entries * KEY_BYTES + T * (64 * 128 * 2 + 64 * 4 + k * 4)
     floor_bytes_us = nbytes / bw * 1e6
-    floor_ops_us = B * entries * 8192 * 2 / lane_rate * 1e6
+    floor_ops_us = T * entries * 8192 * 2 / lane_rate * 1e6
     del st
-    return dict(B=B, context=ctx, k=k, q_format=q_format, keys=keys, us=us,
+    return dict(B=B, context=ctx, k=k, q_format=q_format, keys=keys, rows=rows,
+                rows_hint=hint, us=us,
                 score_us=phases.get("first_us"), select_tail_us=phases.get("tail_us"),
                 span_us=phases.get("span_us"),
                 timing="host" if period is None else "device",
@@ -153,6 +166,11 @@ def main(argv=None):
                     help="skip cases with more than this many thousand entry-token scores "
                          "(B=64 at 1M context: 22 GB of tiny-preset pools, over an H100's memory "
                          "with the benchmark's temporaries)")
+    ap.add_argument("--rows-per-request", type=int, default=1,
+                    help="rows a request (a verify step: 1 + drafts), scored with "
+                         "rows_per_request set to it")
+    ap.add_argument("--rows-hint", type=int, nargs="+", default=None,
+                    help="rows_per_request values to time instead (1: a CTA a row)")
     ap.add_argument("--sm-count", type=int, default=132)
     ap.add_argument("--clock-ghz", type=float, default=1.98)
     args = ap.parse_args(argv)
@@ -164,23 +182,27 @@ def main(argv=None):
     rows = []
     for ctx in args.contexts:
         for B in args.batches:
-            if B * ctx // 4 > args.max_work * 1e3:
+            if B * args.rows_per_request * ctx // 4 > args.max_work * 1e3:
                 print(f"skip B={B} ctx={ctx}", flush=True)
                 continue
             for fmt in args.q_formats:
                 for keys in args.keys:
-                    r = bench(B, ctx, args.k, args.calls, args.repeats, bw, lane_rate, args.impl,
-                              fmt, keys)
-                    rows.append(r)
-                    print(f"B={B:3d} ctx={ctx:8d} q={fmt:5s} keys={keys}: {r['us']:10.1f} us "
-                          f"({r['us_per_exec']:.1f} us with dispatch)", flush=True)
+                    for hint in args.rows_hint or [args.rows_per_request]:
+                        r = bench(B, ctx, args.k, args.calls, args.repeats, bw, lane_rate,
+                                  args.impl, fmt, keys, args.rows_per_request, hint)
+                        rows.append(r)
+                        print(f"B={B:3d} ctx={ctx:8d} q={fmt:5s} keys={keys} "
+                              f"rows={r['rows']}/{hint}: {r['us']:10.1f} us "
+                              f"({r['us_per_exec']:.1f} us with dispatch)", flush=True)
     print()
-    print(f"{'B':>4} {'context':>8} {'k':>5} {'q':>5} {'keys':>13} {'us/call':>10} {'score':>7} "
+    print(f"{'B':>4} {'rows':>5} {'context':>8} {'k':>5} {'q':>5} {'keys':>13} {'us/call':>10} "
+          f"{'score':>7} "
           f"{'tail':>6} {'span':>7} {'w/ disp':>8} "
           f"{'keys MB':>8} {'floor us':>9} {'x floor':>8} {'fp32 us':>9} {'x fp32':>7}")
     num = lambda v, w: f"{v:{w}.1f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     for r in rows:
-        print(f"{r['B']:4d} {r['context']:8d} {r['k']:5d} {r['q_format']:>5} {r['keys']:>13} "
+        print(f"{r['B']:4d} {r['rows']:2d}/{r['rows_hint']:<2d} {r['context']:8d} {r['k']:5d} "
+              f"{r['q_format']:>5} {r['keys']:>13} "
               f"{r['us']:10.1f} {num(r['score_us'], 7)} {num(r['select_tail_us'], 6)} "
               f"{num(r['span_us'], 7)} {r['us_per_exec']:8.1f} {r['bytes'] / 1e6:8.2f} "
               f"{r['floor_bytes_us']:9.2f} {r['ratio_bytes']:8.1f} {r['floor_fp32_us']:9.1f} "

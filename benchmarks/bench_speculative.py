@@ -193,8 +193,8 @@ def timed(call, reps, layers):
     events = kernel_events(call, runs=reps)
     if events:
         summary = timeline_summary(events, reps, layers)
-        row.update({k: summary[k] for k in ("span_us", "busy_us", "family_us", "kernels_per_step",
-                                            "split")})
+        row.update({k: summary[k] for k in ("span_us", "busy_us", "family_us", "indexer_span_us",
+                                            "kernels_per_step", "split")})
         row["kernels"] = summary["kernels"][:12]
     return row
 
