@@ -19,8 +19,8 @@
 //     cores, keys streamed through a cp.async ring. The mxfp4 kernel is
 //     launched overlapped too, so its CTAs are in place when the kernel
 //     ahead of it (the layer's write, say) ends; it reads nothing before
-//     its wait. With rows_per_request G > 1, where the grid would give each
-//     warp several tiles (RowsPerCta), the grid is (ceil(T / G), entry
+//     its wait. With rows_per_request G > 1, where a CTA a row would give each
+//     warp at least 12 tiles (RowsPerCta), the grid is (ceil(T / G), entry
 //     chunks) of ScoreKernelMxfp4Rows (score_mxfp4_rows.cuh): a CTA scores
 //     G consecutive rows, each key tile of a request read once for its rows.
 //  2. SelectKernel (select.cuh), one block of 1024 threads a token, or a
@@ -72,7 +72,7 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_INDEXER_TOPK_OP
           RowsPerCta(a.T, a.E, static_cast<int>(rows_per_request), cuda::SmCount());
       const int64_t cta_rows = (a.T + group - 1) / group;
       const int tpw = TilesPerWarp(cta_rows, a.E, cuda::SmCount());
-      const bool pairs = PairWarps(cta_rows, a.E, tpw, cuda::SmCount());
+      const bool pairs = group == 1 && PairWarps(cta_rows, a.E, tpw, cuda::SmCount());
       const int64_t span = static_cast<int64_t>(TileColumns(pairs)) * tpw * kTile;
       const int64_t ctas = (a.E + span - 1) / span;
       if (ctas > 65535)
@@ -94,7 +94,7 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_INDEXER_TOPK_OP
         const auto kernel = pairs ? ScoreKernelMxfp4<true> : ScoreKernelMxfp4<false>;
         e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), bytes, 1u, stream, a, tpw,
                                    evict_first);
-      } else {   // never pairs: RowsPerCta groups only grids of several tiles a warp
+      } else {   // never pairs: ScoreKernelMxfp4Rows has none (nor would RowsPerCta's grids)
         e = cuda::LaunchOverlapped(ScoreKernelMxfp4Rows, grid, dim3(kMmaThreads), bytes, 1u, stream,
                                    a, tpw, evict_first, static_cast<int>(group));
       }

@@ -88,12 +88,18 @@ constexpr bool PairWarps(int64_t T, int64_t E, int tiles_per_warp, int sm_count)
 }
 
 // Rows a score CTA takes for rows_per_request G (ScoreKernelMxfp4Rows when
-// more than one): G where a CTA a row would give each warp several tiles
-// (the grid is throughput-bound, and reading and decoding each tile once for
-// G rows saves work), else 1: a grid of a tile a warp is bound by one CTA's
-// latency, which G queries rounded and G rows' MMAs a CTA would lengthen.
+// more than one): G where a CTA a row would give each warp at least
+// kRowsMinTilesPerWarp tiles on average (the grid is throughput-bound, and
+// reading and decoding each tile once for G rows saves work), else 1. The
+// grouped CTA pays a fixed latency first (G queries rounded, G rows' state),
+// about 14 us on an H200, which only enough tiles a warp hide. Measured with
+// 4 rows a request on an H200 (docs/perf/indexer.md, "Verify rows"): the
+// choice follows the tiles a warp whatever the context: 8 lose 12-15 %,
+// 16 break even to +7 %, 31 win 8 %, 62 win 16 %, 124 win 21 %.
+constexpr int64_t kRowsMinTilesPerWarp = 12;
 constexpr int RowsPerCta(int64_t T, int64_t E, int G, int sm_count) {
-  return G > 1 && TilesPerWarp(T, E, sm_count) > 1 ? G : 1;
+  const int64_t tiles = T * ((E + kTile - 1) / kTile);
+  return G > 1 && tiles >= kRowsMinTilesPerWarp * sm_count * kMmaWarps ? G : 1;
 }
 
 // Whether the mxfp4 score kernel streams the keys with evict_first
@@ -127,10 +133,14 @@ static_assert(TilesPerWarp(64, 16384, kH100Sms) == 16 && KeysEvictFirst(64, 1638
 static_assert(TilesPerWarp(4096, 2048, kH100Sms) == 4 && KeysEvictFirst(4096, 2048, kH100L2), "");
 static_assert(TilesPerWarp(6, 65536, kH100Sms) == 6 && !KeysEvictFirst(6, 65536, kH100L2), "");
 static_assert(TilesPerWarp(1, 262144, kH100Sms) == 4 && !KeysEvictFirst(1, 262144, kH100L2), "");
-// a verify step (1 + 3 rows a request) at 64k: B = 64 groups, B = 1 does not
-static_assert(RowsPerCta(256, 16384, 4, kH100Sms) == 4 && RowsPerCta(4, 16384, 4, kH100Sms) == 1 &&
-              RowsPerCta(4, 1024, 4, kH100Sms) == 1 && RowsPerCta(4, 262144, 4, kH100Sms) == 4,
-              "");
+// a verify step (1 + 3 rows a request): B = 64 at 64k groups (62 tiles a
+// warp), B = 8 at 64k does not (8), B = 1 at 1M does (16: even)
+static_assert(RowsPerCta(256, 16384, 4, kH100Sms) == 4 && RowsPerCta(32, 16384, 4, kH100Sms) == 1 &&
+              RowsPerCta(4, 1024, 4, kH100Sms) == 1 && RowsPerCta(4, 262144, 4, kH100Sms) == 4 &&
+              RowsPerCta(256, 16384, 1, kH100Sms) == 1, "");
+// A grouped grid never runs in pairs of warps (ScoreKernelMxfp4Rows has none):
+// 12 tiles a warp over at most 8 rows leave more than one tile a warp.
+static_assert(kRowsMinTilesPerWarp > static_cast<int64_t>(kMaxRowsPerRequest), "");
 static_assert(SelectCtas(16384) == 1 && SelectCtas(16385) == 2 && SelectCtas(65536) == 4 &&
               SelectCtas(262144) == 8 && SelectCtas(int64_t{1} << 22) == 8, "");
 

@@ -73,7 +73,7 @@ __device__ __noinline__ float4 BlockTileL4Row(const uint32_t* st, int r, int g, 
 // a head outside the fast form's guards, or a tile with a key outside them
 // below the largest visible count of the slot's rows, takes the per-block
 // form (the same bits: the form decides the time only).
-// Launched only where a CTA a row would give each warp several tiles
+// Launched only where a CTA a row would give each warp at least 12 tiles
 // (RowsPerCta, launch_policy.h), so always in single warps, never pairs.
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
     ScoreKernelMxfp4Rows(IndexerTopkArgs a, int tiles_per_warp, bool evict_first,

@@ -7,10 +7,12 @@ across a tile and a CTA span), rows of several slots in one group, a bad row
 inside a request's rows, missing blocks some rows of a group need and others
 do not, and T not a multiple of the group. On CUDA the groups of q_format
 "mxfp4" run ScoreKernelMxfp4Rows (cuda/indexer_topk/score_mxfp4_rows.cuh)
-where a CTA a row would give each warp several tiles (RowsPerCta in
-cuda/indexer_topk/launch_policy.h), so the CUDA cases of the small batch
-take a 16k context (E = 4096 entries a request: its 27 rows group) where the
-others take 2k. Bad values are refused alike everywhere."""
+where a CTA a row would give each warp at least 12 tiles on average
+(RowsPerCta in cuda/indexer_topk/launch_policy.h), so the CUDA cases of the
+small batch take a 256k context (E = 65536 entries a request: its 27 rows
+group on any GPU of up to 288 multiprocessors; the rows stay at the same
+short positions, so the reference's work does not grow) where the others
+take 2k. Bad values are refused alike everywhere."""
 import dataclasses
 
 import jax
@@ -30,7 +32,7 @@ from support.marks import CUDA, requires_cpu_ffi
 
 LAYER, KIND = 3, 1             # the second CSA layer of the tiny preset, its CSA index
 R, MAX_CONTEXT = 6, 2048       # E = 512 entries a request
-CUDA_CONTEXT = 16384           # E = 4096: 27 rows a CTA each would take 2 tiles a warp
+CUDA_CONTEXT = 262144          # E = 65536: 27 x 2048 tiles, >= 12 a warp up to 288 SMs
 GROUPS = [1, 2, 3, 4, 8]
 HANDLERS = [pytest.param("cpu", marks=[requires_cpu_ffi, needs_cpu_target]),
             pytest.param("cuda", marks=CUDA)]
@@ -168,17 +170,18 @@ def test_handler_rank_keys_bit_exact(impl, rows_per_request):
 
 @pytest.mark.parametrize("impl", [pytest.param("cuda", marks=CUDA)])
 def test_verify_rows_on_a_large_grid(impl):
-    """16 requests of 1 + 3 rows at 16k context (E = 4096), then three rows
-    of other slots (T = 67); request 3 lacks a block its rows need, one row
-    has a NaN in q. On 132 multiprocessors (an H100 or H200) groups of 2, 4
-    and 8 run ScoreKernelMxfp4Rows in single warps with 3, 2 and 1 tiles a
-    warp. Indices and error counts equal the reference's on the host CPU;
+    """16 requests of 1 + 3 rows at positions up to 16k in a 64k context (E
+    = 16384: 67 x 512 tiles, 16 a warp on 132 multiprocessors, which groups),
+    then three rows of other slots (T = 67); request 3 lacks a block its rows
+    need, one row has a NaN in q. On 132 multiprocessors (an H100 or H200)
+    groups of 2, 4 and 8 run ScoreKernelMxfp4Rows in single warps with 11, 5
+    and 3 tiles a warp. Indices and error counts equal the reference's on the host CPU;
     the rank keys of every visible entry of the good rows those of groups of
     1 (ScoreKernelMxfp4)."""
     rng = np.random.default_rng(64)
-    B, rows, context = 16, 4, 16384
-    st = with_random_blocks(rng, make_state(rng, R=B + 2, max_context=context,
-                                             num_blocks=(B + 2) * context // 128), B + 2)
+    B, rows, context, max_context = 16, 4, 16384, 65536
+    st = with_random_blocks(rng, make_state(rng, R=B + 2, max_context=max_context,
+                                             num_blocks=(B + 2) * max_context // 128), B + 2)
     bt = np.array(st.block_table)
     bt[3, 40] = -1                                           # entries 1280 .. 1311
     st = dataclasses.replace(st, block_table=jnp.asarray(bt))
