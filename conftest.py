@@ -12,7 +12,9 @@ a test that also runs the CPU handler on the same parameters
 CPU runs the tests: the jnp reference compiles for seconds where the handler
 compiles in a blink, and the default run still holds the reference to the
 handler byte for byte (the demo's replay, test_ffi_vs_reference's quick
-cases, the agreement tests of each op).
+cases, the agreement tests of each op). These also carry the mark
+`reference_twin`: CI (`.ci/run`) runs every test but them (`-m "not
+reference_twin"`), as they are half its test time.
 """
 import pytest
 
@@ -31,6 +33,7 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in twins:
         item.add_marker(pytest.mark.slow(reason="the reference twin of a CPU handler's run"))
+        item.add_marker(pytest.mark.reference_twin)
 
 
 def _cpu_twin(name: str):

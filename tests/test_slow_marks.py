@@ -1,10 +1,14 @@
 """The root conftest.py's slow marks, run on a made-up suite in a fresh
 pytest: a slow test marked with its reason is left out of the default run,
-one marked without a reason stops the collection with its name."""
+one marked without a reason stops the collection with its name, and the
+reference twin of a CPU run is slow and left out of CI's selection."""
+import importlib.util
 import pathlib
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -13,7 +17,7 @@ def _pytest(tmp_path, body: str, *args):
     shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\naddopts = -m \"not slow\" --strict-markers -p no:cacheprovider\n"
-        "markers =\n    slow: a long test\n")
+        "markers =\n    slow: a long test\n    reference_twin: a twin\n")
     (tmp_path / "test_made_up.py").write_text("import pytest\n\n" + body)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", *args], cwd=tmp_path,
                           capture_output=True, text=True)
@@ -34,3 +38,24 @@ def test_a_slow_mark_without_a_reason_stops_the_collection(tmp_path):
     out = _pytest(tmp_path, body)
     assert out.returncode == 4, out.stdout + out.stderr
     assert "a slow mark needs reason=" in out.stderr and "test_case[2]" in out.stderr, out.stderr
+
+
+def test_a_reference_twin_of_a_cpu_run_is_slow_and_left_out_of_ci(tmp_path):
+    """test_x[reference-a] beside test_x[cpu-a] is marked slow and
+    reference_twin where the CPU handler runs (as on CI): the default run and
+    CI's selection leave it out, "slow or not slow" runs it."""
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    root_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root_conftest)
+    if not root_conftest._cpu_runs_here():
+        pytest.skip("the CPU handler does not run here, so no twin is marked")
+    body = ('@pytest.mark.parametrize("impl", ["cpu", "reference"])\n'
+            '@pytest.mark.parametrize("n", [1])\n'
+            'def test_x(impl, n):\n    pass\n\n'
+            '@pytest.mark.parametrize("impl", ["reference"])\n'
+            'def test_alone(impl):\n    pass\n')
+    for args, summary in (((), "2 passed, 1 deselected"),
+                          (("-m", "not reference_twin"), "2 passed, 1 deselected"),
+                          (("-m", "slow or not slow"), "3 passed")):
+        out = _pytest(tmp_path, body, *args)
+        assert out.returncode == 0 and summary in out.stdout, (args, out.stdout + out.stderr)
