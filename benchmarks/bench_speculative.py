@@ -23,6 +23,13 @@ at position context - 1, so both close a CSA and an HCA window. Per layer:
   restore      verify_commit alone (the copy back and the block-table rows)
   begin        verify_begin alone (the copy out)
 
+Every call of a program starts from the state the last one left, at the same
+positions: after the first speculative call the ring holds the kept rows from
+p0 on, so the next call's first rows find up to 3 of their 128 window rows
+holding later positions, and attention counts them STALE_WINDOW (the error
+counts printed) and skips them: a rewind, as docs/design/bad-input.md counts
+it, not a fault of the verify pass, and a few rows less work a query.
+
 Layers 3 .. 42 run as a `lax.scan` over the (HCA, CSA) pair with a traced
 layer index, as a model keeps its compile time down; one jit a program, the
 state donated. Times come from the device timeline (span of one call's
