@@ -1,5 +1,5 @@
 """Which tests are `slow`: the default `pytest` leaves them out (pyproject's
-addopts `-m "not slow"`), `pytest -m "slow or not slow"` runs them too (CI).
+addopts `-m "not slow"`), `pytest -m "slow or not slow"` runs them too.
 
 Two kinds. A test marked at its definition, `@pytest.mark.slow(reason=...)`
 (or a case of it, `pytest.param(..., marks=pytest.mark.slow(reason=...))`):
