@@ -2,13 +2,12 @@
 pytest: a slow test marked with its reason is left out of the default run,
 one marked without a reason stops the collection with its name, and the
 reference twin of a CPU run is slow and left out of CI's selection."""
-import importlib.util
 import pathlib
 import shutil
 import subprocess
 import sys
 
-import pytest
+from support.marks import requires_cpu_ffi
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -40,18 +39,13 @@ def test_a_slow_mark_without_a_reason_stops_the_collection(tmp_path):
     assert "a slow mark needs reason=" in out.stderr and "test_case[2]" in out.stderr, out.stderr
 
 
+@requires_cpu_ffi   # the rule's own condition (conftest._cpu_runs_here): else nothing is a twin
 def test_a_reference_twin_of_a_cpu_run_is_slow_and_left_out_of_ci(tmp_path):
     """test_x[reference-a] beside test_x[cpu-a] is marked slow and
     reference_twin where the CPU handler runs (as on CI): the default run and
     CI's selection leave it out, "slow or not slow" runs it."""
-    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
-    root_conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(root_conftest)
-    if not root_conftest._cpu_runs_here():
-        pytest.skip("the CPU handler does not run here, so no twin is marked")
     body = ('@pytest.mark.parametrize("impl", ["cpu", "reference"])\n'
-            '@pytest.mark.parametrize("n", [1])\n'
-            'def test_x(impl, n):\n    pass\n\n'
+            'def test_x(impl):\n    pass\n\n'
             '@pytest.mark.parametrize("impl", ["reference"])\n'
             'def test_alone(impl):\n    pass\n')
     for args, summary in (((), "2 passed, 1 deselected"),

@@ -94,7 +94,7 @@ ffi::Error IndexerTopkImpl(cudaStream_t stream, DSV4_PARAMS(DSV4_INDEXER_TOPK_OP
         const auto kernel = pairs ? ScoreKernelMxfp4<true> : ScoreKernelMxfp4<false>;
         e = cuda::LaunchOverlapped(kernel, grid, dim3(kMmaThreads), bytes, 1u, stream, a, tpw,
                                    evict_first);
-      } else {   // never pairs: ScoreKernelMxfp4Rows has none (nor would RowsPerCta's grids)
+      } else {   // ScoreKernelMxfp4Rows has no pairs variant
         e = cuda::LaunchOverlapped(ScoreKernelMxfp4Rows, grid, dim3(kMmaThreads), bytes, 1u, stream,
                                    a, tpw, evict_first, static_cast<int>(group));
       }

@@ -138,9 +138,6 @@ static_assert(TilesPerWarp(1, 262144, kH100Sms) == 4 && !KeysEvictFirst(1, 26214
 static_assert(RowsPerCta(256, 16384, 4, kH100Sms) == 4 && RowsPerCta(32, 16384, 4, kH100Sms) == 1 &&
               RowsPerCta(4, 1024, 4, kH100Sms) == 1 && RowsPerCta(4, 262144, 4, kH100Sms) == 4 &&
               RowsPerCta(256, 16384, 1, kH100Sms) == 1, "");
-// A grouped grid never runs in pairs of warps (ScoreKernelMxfp4Rows has none):
-// 12 tiles a warp over at most 8 rows leave more than one tile a warp.
-static_assert(kRowsMinTilesPerWarp > static_cast<int64_t>(kMaxRowsPerRequest), "");
 static_assert(SelectCtas(16384) == 1 && SelectCtas(16385) == 2 && SelectCtas(65536) == 4 &&
               SelectCtas(262144) == 8 && SelectCtas(int64_t{1} << 22) == 8, "");
 

@@ -74,7 +74,7 @@ __device__ __noinline__ float4 BlockTileL4Row(const uint32_t* st, int r, int g, 
 // below the largest visible count of the slot's rows, takes the per-block
 // form (the same bits: the form decides the time only).
 // Launched only where a CTA a row would give each warp at least 12 tiles
-// (RowsPerCta, launch_policy.h), so always in single warps, never pairs.
+// (RowsPerCta, launch_policy.h), always in single warps.
 __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
     ScoreKernelMxfp4Rows(IndexerTopkArgs a, int tiles_per_warp, bool evict_first,
                          int rows_per_cta) {
@@ -202,8 +202,7 @@ __global__ void __launch_bounds__(kMmaThreads, kScoreCtasPerSm)
             cuda::CountErrorAtomic(a.errors, kMissingBlock, t0 + r);
     }
     const bool any_fast = (group & ~slow) != 0;
-    const int my_tiles = group ? tiles : 0;
-    for (int it = 0; it < my_tiles; ++it) {                    // uniform per warp
+    for (int it = 0; it < tiles; ++it) {                    // uniform per warp
       const int32_t block = blocks_s[column + columns * it];
       issue(it + kStages - 1);
       cuda::CpAsyncWait<kStages - 1>();

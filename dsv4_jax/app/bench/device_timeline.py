@@ -105,6 +105,11 @@ def kernel_events(fn, *args, runs=1):
     return sorted(events)
 
 
+def kernel_spans(events, name):
+    """(start, end) in µs of each kernel whose name holds `name`, in order."""
+    return [(s / 1e3, (s + d) / 1e3) for s, d, n in events if name in n]
+
+
 def two_kernel_phases(events, first, second):
     """Medians in µs over the calls of a two-kernel op traced in a loop (the
     kernel whose name holds `first`, then the one holding `second`, once a
@@ -112,13 +117,10 @@ def two_kernel_phases(events, first, second):
     first's end: what it adds once the first is done), the span (the first's
     start to the second's end) and the period (one first start to the next).
     None where a kernel is missing."""
-    def spans(name):
-        return [(s / 1e3, (s + d) / 1e3) for s, d, n in events if name in n]
-
     def med(xs):
         return statistics.median(xs) if xs else None
 
-    a, b = spans(first), spans(second)
+    a, b = kernel_spans(events, first), kernel_spans(events, second)
     pairs = list(zip(a, b))
     return {"first_us": med([e - s for s, e in a]),
             "tail_us": med([be - ae for (_, ae), (_, be) in pairs]),
@@ -165,9 +167,8 @@ def timeline_summary(events, steps, layers):
     # indexer_topk's own time: each call's score start to its select's end.
     # Its busy time (family_us) overstates it: the select is launched
     # overlapped, and its CTAs count as busy while they wait for the score.
-    scores = [(st, st + d) for st, d, raw in events if "ScoreKernel" in raw]
-    selects = [(st, st + d) for st, d, raw in events if "SelectKernel" in raw]
-    indexer_span = sum(b[1] - a[0] for a, b in zip(scores, selects)) / 1e3 / steps
+    calls = zip(kernel_spans(events, "ScoreKernel"), kernel_spans(events, "SelectKernel"))
+    indexer_span = sum(select[1] - score[0] for score, select in calls) / steps
     n = len(events) / steps
     return {"kernels_per_step": n, "kernels_per_layer": n / layers,
             "indexer_span_us": indexer_span,
